@@ -1,0 +1,37 @@
+"""myelin: message-driven pipeline training for PyTorch models too big or slow for one device."""
+
+from myelin.errors import (
+    ConfigError,
+    DeadlineError,
+    MessageError,
+    MyelinError,
+    PartitionError,
+    RemoteError,
+)
+from myelin.partition import StageModule, balance, split
+from myelin.runtime.messages import Message, MessageLimits
+from myelin.runtime.schedule import SCHEDULES, Action
+from myelin.runtime.transport import TransportConfig
+from myelin.trainer import PipelineConfig, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "ConfigError",
+    "DeadlineError",
+    "Message",
+    "MessageError",
+    "MessageLimits",
+    "MyelinError",
+    "PartitionError",
+    "PipelineConfig",
+    "RemoteError",
+    "SCHEDULES",
+    "StageModule",
+    "Trainer",
+    "TransportConfig",
+    "balance",
+    "split",
+    "__version__",
+]

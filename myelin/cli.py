@@ -1,0 +1,105 @@
+"""The `myelin` command line.
+
+myelin run -n 2 train.py --lr 1e-3     # 2 local processes, as torchrun would start them
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "launch"]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="myelin", description="Message-driven pipeline training for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="run a script in N local processes (torchrun underneath)",
+        description="Start N local processes of SCRIPT with RANK, WORLD_SIZE, LOCAL_RANK, "
+        "MASTER_ADDR and MASTER_PORT set, exactly as torchrun does. If one process fails, "
+        "the others are stopped and the exit status is non-zero.",
+    )
+    run.add_argument("-n", "--nproc", type=_positive, required=True, help="processes to start")
+    run.add_argument(
+        "--master-port",
+        type=_port,
+        default=None,
+        help="rendezvous port on this host (default: a free port)",
+    )
+    run.add_argument(
+        "--master-addr", default="127.0.0.1", help="rendezvous address (default: loopback)"
+    )
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module (python -m)")
+    run.add_argument("script", help="the Python script (or module, with -m) to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return parser
+
+
+def launch(
+    nproc: int,
+    script: str,
+    args: Sequence[str] = (),
+    master_port: int | None = None,
+    master_addr: str = "127.0.0.1",
+    module: bool = False,
+) -> int:
+    """Run `script` in `nproc` local processes through torch's elastic launcher; exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    argv = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    if master_port is None:
+        argv += ["--standalone"]
+    else:
+        argv += ["--master-addr", master_addr, "--master-port", str(master_port)]
+    if module:
+        argv += ["-m"]
+    argv += [script, *args]
+    try:
+        run(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        first = min(codes)
+        print(
+            f"myelin run: {len(codes)} of {nproc} processes failed "
+            f"(exit codes by rank: {codes}); see the errors above",
+            file=sys.stderr,
+        )
+        code = codes[first]
+        return code if isinstance(code, int) and 0 < code < 256 else 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return launch(
+            args.nproc, args.script, args.args, args.master_port, args.master_addr, args.module
+        )
+    raise AssertionError(args.command)  # argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

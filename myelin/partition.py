@@ -1,0 +1,124 @@
+"""Split a model into contiguous pipeline stages.
+
+A model is a sequence of layers: an `nn.Sequential`, a list of modules, or any
+module with a `pipeline_layers()` method returning such a list (as
+`myelin.models.GPT` does). Stages are balanced by parameter count (each layer
+counts at least one, so parameter-free layers spread too), or follow an explicit
+`partition=[layers of stage 0, layers of stage 1, ...]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from myelin.errors import PartitionError
+
+__all__ = ["StageModule", "layers_of", "balance", "split", "stage_module"]
+
+
+class StageModule(nn.Sequential):
+    """Layers run in order; a layer that returns a tuple passes it on as separate arguments.
+
+    `first_layer` is the index of its first layer in the whole model.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], first_layer: int = 0) -> None:
+        super().__init__(*layers)
+        self.first_layer = first_layer
+
+    def forward(self, *args):  # noqa: D102
+        for layer in self:
+            out = layer(*args)
+            args = out if isinstance(out, tuple) else (out,)
+        return args[0] if len(args) == 1 else args
+
+
+def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The model as an ordered list of layers, or a PartitionError saying how to make one."""
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        layers = list(model)
+    elif hasattr(model, "pipeline_layers"):
+        layers = list(model.pipeline_layers())
+    else:
+        raise PartitionError(
+            f"cannot split a {type(model).__name__} into stages: pass an nn.Sequential, a list "
+            "of modules, or a module with a pipeline_layers() method returning its layers in order"
+        )
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise PartitionError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
+    return layers
+
+
+def balance(weights: Sequence[int], stages: int) -> list[int]:
+    """Layer counts per stage: contiguous cuts closest to equal shares of `weights`."""
+    n = len(weights)
+    if stages < 1:
+        raise PartitionError(f"stages={stages} must be at least 1")
+    if n < stages:
+        raise PartitionError(
+            f"cannot split {n} layers into {stages} stages: each stage needs at least one layer"
+        )
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    total = prefix[-1]
+    cuts = [0]
+    for k in range(1, stages):
+        lo, hi = cuts[-1] + 1, n - (stages - k)
+        target = total * k / stages
+        cuts.append(min(range(lo, hi + 1), key=lambda c: (abs(prefix[c] - target), c)))
+    cuts.append(n)
+    return [cuts[i + 1] - cuts[i] for i in range(stages)]
+
+
+def split(
+    model: nn.Module | Sequence[nn.Module],
+    stages: int,
+    partition: Sequence[int] | None = None,
+) -> list[list[nn.Module]]:
+    """Split the model's layers into `stages` contiguous groups."""
+    layers = layers_of(model)
+    if partition is None:
+        counts = balance([max(1, _params(layer)) for layer in layers], stages)
+    else:
+        counts = list(partition)
+        if len(counts) != stages:
+            raise PartitionError(
+                f"partition={counts} lists {len(counts)} stages, but stages={stages}"
+            )
+        if any(type(c) is not int or c < 1 for c in counts):
+            raise PartitionError(f"partition={counts}: every stage needs an int >= 1 layers")
+        if sum(counts) != len(layers):
+            raise PartitionError(
+                f"partition={counts} covers {sum(counts)} layers, but the model has {len(layers)}"
+            )
+    out, start = [], 0
+    for c in counts:
+        out.append(layers[start : start + c])
+        start += c
+    return out
+
+
+def stage_module(
+    model: nn.Module | Sequence[nn.Module],
+    stages: int,
+    index: int,
+    partition: Sequence[int] | None = None,
+) -> nn.Module:
+    """The module that stage `index` runs: the whole model for one stage, else its layers."""
+    if not 0 <= index < stages:
+        raise PartitionError(f"stage index {index} is out of range of {stages}")
+    if stages == 1 and partition is None and isinstance(model, nn.Module):
+        if not isinstance(model, (nn.Sequential, nn.ModuleList)):
+            return model  # one stage runs the model's own forward
+    groups = split(model, stages, partition)
+    return StageModule(groups[index], first_layer=sum(len(g) for g in groups[:index]))
+
+
+def _params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,165 @@
+"""Where this process sits: rank layout, rendezvous and collectives via torch.distributed.
+
+Rank r holds stage `r % stages` of replica `r // stages`, so the ranks of one
+pipeline are consecutive (and, under torchrun, usually on one host). The
+torch.distributed store that the rendezvous created also carries each rank's
+ZeroMQ address, so there is no second rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.errors import ConfigError
+
+__all__ = ["Layout", "World", "init_world", "close_world"]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The `stages x data_parallel` grid of ranks."""
+
+    stages: int
+    data_parallel: int
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.data_parallel
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.stages
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return replica * self.stages + stage
+
+    def replica_ranks(self, stage: int) -> list[int]:
+        """The ranks holding `stage` in every replica (one data-parallel group)."""
+        return [self.rank_of(stage, k) for k in range(self.data_parallel)]
+
+
+@dataclass(slots=True)
+class World:
+    """This process's rank, device, store and collective groups."""
+
+    rank: int
+    layout: Layout
+    device: torch.device
+    store: Any = None
+    dp_group: Any = None  # this stage's data-parallel process group, if data_parallel > 1
+    same_host: bool = True
+    owns_process_group: bool = False
+    extra_groups: list[Any] = field(default_factory=list)
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.rank)
+
+    def peer(self, stage: int) -> int:
+        """The rank holding `stage` in this process's replica."""
+        return self.layout.rank_of(stage, self.replica)
+
+
+def _env_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={value!r} is not an integer") from None
+
+
+def check_world_size(layout: Layout) -> int:
+    """The world size this process runs in, checked against the layout before any work."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        source = "the initialized process group"
+    else:
+        world = _env_world_size()
+        source = "WORLD_SIZE"
+    if world is None:
+        if layout.world_size != 1:
+            raise ConfigError(
+                f"stages={layout.stages} x data_parallel={layout.data_parallel} needs "
+                f"{layout.world_size} processes, but this process was started alone; launch it "
+                f"with `myelin run -n {layout.world_size} script.py` or "
+                f"`torchrun --nproc-per-node {layout.world_size} script.py`"
+            )
+        return 1
+    if world != layout.world_size:
+        raise ConfigError(
+            f"stages={layout.stages} x data_parallel={layout.data_parallel} needs a world of "
+            f"{layout.world_size} processes, but {source} says {world}"
+        )
+    return world
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    """The device this rank computes on: the given one, else its local GPU, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_world(layout: Layout, device: torch.device, timeout_s: float) -> World:
+    """Join (or create) the process group and build this rank's data-parallel group."""
+    world_size = check_world_size(layout)
+    if world_size == 1 and not dist.is_initialized():
+        return World(rank=0, layout=layout, device=device)
+    owns = False
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        owns = True
+    rank = dist.get_rank()
+    world = World(rank=rank, layout=layout, device=device, owns_process_group=owns)
+    world.store = dist.distributed_c10d._get_default_store()
+    world.same_host = _all_same_host(world.store, rank, world_size, timeout_s)
+    if layout.data_parallel > 1:
+        for stage in range(layout.stages):  # every rank must create every group, in order
+            group = dist.new_group(layout.replica_ranks(stage))
+            world.extra_groups.append(group)
+            if stage == world.stage:
+                world.dp_group = group
+    return world
+
+
+def _all_same_host(store: Any, rank: int, world_size: int, timeout_s: float) -> bool:
+    """Whether every rank runs on this host (then ipc:// and shared memory are usable)."""
+    me = socket.gethostname()
+    store.set(f"myelin/host/{rank}", me)
+    keys = [f"myelin/host/{r}" for r in range(world_size)]
+    store.wait(keys, timedelta(seconds=timeout_s))
+    return all(store.get(k).decode() == me for k in keys)
+
+
+def close_world(world: World) -> None:
+    """Destroy the groups this rank created; leave a user's own process group alone."""
+    if not dist.is_initialized():
+        return
+    for group in world.extra_groups:
+        dist.destroy_process_group(group)
+    world.extra_groups.clear()
+    if world.owns_process_group:
+        dist.destroy_process_group()

@@ -1,0 +1,354 @@
+"""The per-device event loop: messages make operations ready; the policy picks what runs.
+
+One step of training on one rank:
+1. poll the inbox (with a timeout, so a stuck peer is noticed);
+2. activation for microbatch i -> Forward(i) ready; gradient for i -> Backward(i)
+   ready; stage 0 has every Forward ready from local data, under a window of
+   `max_inflight` microbatches;
+3. run the ready operation the policy picks (backward first, oldest first);
+4. hand outputs to the transport without waiting for the send;
+5. when every backward of the step has run here, average gradients across
+   data-parallel replicas, step the optimizer, and return the step's loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.errors import ConfigError, DeadlineError, MyelinError, RemoteError
+from myelin.runtime.group import World
+from myelin.runtime.messages import Message
+from myelin.runtime.schedule import Action, Policy, Ready
+from myelin.runtime.stage import Stage, as_tuple
+
+__all__ = ["LoopConfig", "EventLoop"]
+
+log = logging.getLogger(__name__)
+
+_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoopConfig:
+    """Per-step settings of the loop; validated by the trainer's config."""
+
+    microbatches: int
+    timeout_s: float
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1:
+            raise ConfigError(f"microbatches={self.microbatches} must be >= 1")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout={self.timeout_s} must be > 0 seconds")
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """Counters a user or test can read off `trainer.loop.stats`."""
+
+    forwards: int = 0
+    backwards: int = 0
+    rejected: int = 0
+    early: int = 0
+
+
+class EventLoop:
+    """Runs one rank's share of each training step, driven by arriving messages."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        world: World,
+        transport: Any,
+        policy: Policy,
+        optimizer: torch.optim.Optimizer | None,
+        config: LoopConfig,
+    ) -> None:
+        self.stage = stage
+        self.world = world
+        self.transport = transport
+        self.policy = policy
+        self.optimizer = optimizer
+        self.config = config
+        self.stats = LoopStats()
+        self._step = 0
+        self._early: list[Message] = []
+        self._outbox: list[tuple[Any, int, Message]] = []  # (copy event, dst, message)
+        self._copy_stream = torch.cuda.Stream(stage.device) if stage.device.type == "cuda" else None
+
+    # -- one step ------------------------------------------------------------
+
+    def run_step(
+        self,
+        step: int,
+        inputs: Sequence[tuple[torch.Tensor, ...]] | None,
+        targets: Sequence[Any] | None,
+    ) -> float:
+        """Run forward and backward of every microbatch of `step` on this stage, then update.
+
+        Returns the loss of the step: the mean of the microbatch losses, averaged over
+        data-parallel replicas, the same on every rank.
+        """
+        m = self.config.microbatches
+        stage = self.stage
+        if stage.is_first and inputs is None:
+            raise ConfigError(f"rank {self.world.rank} holds stage 0 and needs the inputs")
+        if stage.is_last and targets is None:
+            raise ConfigError(f"rank {self.world.rank} holds the last stage and needs the targets")
+        ready = Ready(stage.index, stage.num_stages, m)
+        self._step = step
+        self._targets = targets
+        self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._grads: dict[int, tuple[list[torch.Tensor], list[int], float]] = {}
+        self._losses: dict[int, float] = {}
+        self._arrived: set[tuple[str, int]] = set()
+        if stage.is_first:
+            self._inputs = {i: as_tuple(inputs[i]) for i in range(m)}
+            ready.forward = set(range(m))
+        self.policy.begin_step(ready)
+        early, self._early = self._early, []
+        self._handle(early, ready)
+        try:
+            self._drive(ready)
+            self._drain_sends()
+        except BaseException:
+            stage.clear()
+            raise
+        loss = sum(self._losses[i] for i in range(m)) / m
+        loss = self._average_replicas(loss)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def _drive(self, ready: Ready) -> None:
+        last_progress = time.monotonic()
+        while ready.backwards_done < ready.microbatches:
+            self._flush_outbox()
+            action = self.policy.pick(ready)
+            if action is not None:
+                self._run(action, ready)
+                if self.transport is not None:
+                    self._handle(self.transport.poll(0), ready)
+                last_progress = time.monotonic()
+                continue
+            if self.transport is None:
+                raise MyelinError(f"one-rank loop has nothing to run: {ready}")
+            wait = self.config.poll_s if not self._outbox else 0.0005
+            messages = self.transport.poll(wait)
+            if messages:
+                self._handle(messages, ready)
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > self.config.timeout_s:
+                raise DeadlineError(self._describe_wait(ready, time.monotonic() - last_progress))
+
+    def _run(self, action: Action, ready: Ready) -> None:
+        mb = action.microbatch
+        stage = self.stage
+        if action.kind == "F":
+            ready.forward.discard(mb)
+            inputs = self._inputs.pop(mb)
+            target = self._targets[mb] if stage.is_last else None
+            outputs = stage.forward(mb, inputs, target, divisor=ready.microbatches)
+            ready.forwards_done += 1
+            self.stats.forwards += 1
+            if stage.is_last:
+                self._grads[mb] = ([], [], stage.loss(mb))
+                ready.backward.add(mb)
+            else:
+                self._send(stage.index + 1, "activation", mb, [o.detach() for o in outputs], {})
+            return
+        ready.backward.discard(mb)
+        grads, index, loss = self._grads.pop(mb)
+        in_grads, in_index = stage.backward(mb, grads, index)
+        self._losses[mb] = loss
+        ready.backwards_done += 1
+        self.stats.backwards += 1
+        if not stage.is_first:
+            self._send(stage.index - 1, "gradient", mb, in_grads, {"index": in_index, "loss": loss})
+
+    # -- messages ------------------------------------------------------------
+
+    def _send(
+        self, to_stage: int, kind: str, mb: int, tensors: list[torch.Tensor], meta: dict
+    ) -> None:
+        dst = self.world.peer(to_stage)
+        if self._copy_stream is None:
+            msg = Message(kind, self.world.rank, self._step, mb, to_stage, tensors, meta)
+            self.transport.send(dst, msg)
+            return
+        # On a GPU the device-to-host copy runs on a side stream; the send leaves once
+        # the copy's event fires, so the next operation's compute overlaps it.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.stage.device))
+        with torch.cuda.stream(self._copy_stream):
+            host = []
+            for t in tensors:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(self._copy_stream)
+                host.append(buf)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        msg = Message(kind, self.world.rank, self._step, mb, to_stage, host, meta)
+        self._outbox.append((event, dst, msg))
+
+    def _flush_outbox(self) -> None:
+        while self._outbox and self._outbox[0][0].query():
+            _, dst, msg = self._outbox.pop(0)
+            self.transport.send(dst, msg)
+
+    def _drain_sends(self) -> None:
+        """Wait until this step's messages have left, so none is stranded at the step's end."""
+        if self.transport is None:
+            return
+        deadline = time.monotonic() + self.config.timeout_s
+        for event, _, _ in self._outbox:
+            event.synchronize()
+        self._flush_outbox()
+        while self.transport.pending_sends():
+            if time.monotonic() > deadline:
+                raise DeadlineError(
+                    f"rank {self.world.rank} (stage {self.stage.index}): step {self._step}'s "
+                    f"messages were not taken by their peers within {self.config.timeout_s:.0f}s"
+                )
+            self._handle(self.transport.poll(0.001), None)
+
+    def _handle(self, messages: list[Message], ready: Ready | None) -> None:
+        for msg in messages:
+            if msg.kind == "control":
+                if msg.meta.get("op") == "abort":
+                    raise RemoteError(msg.src, str(msg.meta.get("error", "no detail")))
+                self._reject(msg, f"unknown control op {msg.meta.get('op')!r}")
+            elif msg.step > self._step or ready is None:
+                if len(self._early) >= 4 * self.config.microbatches:
+                    self._reject(msg, "too many messages for future steps")
+                else:
+                    self._early.append(msg)
+                    self.stats.early += 1
+            elif msg.step < self._step:
+                self._reject(msg, f"stale: for step {msg.step}, now at step {self._step}")
+            else:
+                self._accept(msg, ready)
+
+    def _accept(self, msg: Message, ready: Ready) -> None:
+        stage, mb = self.stage, msg.microbatch
+        if msg.stage != stage.index:
+            return self._reject(msg, f"addressed to stage {msg.stage}, this is stage {stage.index}")
+        if not 0 <= mb < ready.microbatches:
+            return self._reject(msg, f"microbatch {mb} is out of range of {ready.microbatches}")
+        if msg.kind == "activation":
+            if stage.is_first or msg.src != self.world.peer(stage.index - 1):
+                return self._reject(msg, "activation from a rank that is not the previous stage")
+            if ("activation", mb) in self._arrived:
+                return self._reject(msg, f"duplicate activation for microbatch {mb}")
+            self._arrived.add(("activation", mb))
+            self._inputs[mb] = tuple(msg.tensors)
+            ready.forward.add(mb)
+            return None
+        if stage.is_last or msg.src != self.world.peer(stage.index + 1):
+            return self._reject(msg, "gradient from a rank that is not the next stage")
+        if ("gradient", mb) in self._arrived:
+            return self._reject(msg, f"duplicate gradient for microbatch {mb}")
+        if not stage.in_flight(mb):
+            return self._reject(msg, f"gradient for microbatch {mb}, which this stage has not run")
+        index, loss = msg.meta.get("index"), msg.meta.get("loss")
+        if not isinstance(index, list) or any(type(i) is not int for i in index):
+            raise MyelinError(
+                f"rank {self.world.rank}: gradient of microbatch {mb} from rank {msg.src} has "
+                f"meta.index={index!r}, expected a list of output positions"
+            )
+        if not isinstance(loss, float):
+            raise MyelinError(
+                f"rank {self.world.rank}: gradient of microbatch {mb} from rank {msg.src} has "
+                f"meta.loss={loss!r}, expected a float"
+            )
+        self._arrived.add(("gradient", mb))
+        self._grads[mb] = (msg.tensors, index, loss)
+        ready.backward.add(mb)
+        return None
+
+    def _reject(self, msg: Message, reason: str) -> None:
+        self.stats.rejected += 1
+        log.warning(
+            "rank %d: dropped %s message from rank %d (step %d, microbatch %d): %s",
+            self.world.rank,
+            msg.kind,
+            msg.src,
+            msg.step,
+            msg.microbatch,
+            reason,
+        )
+
+    def _describe_wait(self, ready: Ready, waited: float) -> str:
+        where = (
+            f"rank {self.world.rank} (stage {self.stage.index}, replica {self.world.replica}) "
+            f"waited {waited:.1f}s in step {self._step}"
+        )
+        action = self.policy.waiting_for(ready)
+        if action is None:
+            return f"{where} with nothing left to wait for ({ready})"
+        if action.kind == "F":
+            peer, what = self.world.peer(action.stage - 1), "activation"
+        else:
+            peer, what = self.world.peer(action.stage + 1), "gradient"
+        return (
+            f"{where} for the {what} of microbatch {action.microbatch} from rank {peer} "
+            f"(to run {action}); forwards done {ready.forwards_done}, backwards done "
+            f"{ready.backwards_done} of {ready.microbatches}"
+        )
+
+    # -- end of step -------------------------------------------------------------
+
+    def _average_replicas(self, loss: float) -> float:
+        """All-reduce gradients (in buckets, asynchronously) and the loss across replicas."""
+        group = self.world.dp_group
+        if group is None:
+            return loss
+        replicas = self.world.layout.data_parallel
+        params = [p for p in self.stage.module.parameters() if p.requires_grad]
+        had_grad = [p.grad is not None for p in params]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        loss_t = torch.tensor([loss], dtype=torch.float64)
+        works = [(dist.all_reduce(loss_t, group=group, async_op=True), None, None)]
+        for bucket in _buckets([p.grad for p in params]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+        for work, flat, bucket in works:
+            work.wait()
+            if flat is None:
+                continue
+            flat.div_(replicas)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for p, had in zip(params, had_grad, strict=True):
+            if not had and not p.grad.any():
+                p.grad = None  # unused everywhere: leave it to the optimizer to skip
+        return float(loss_t.item()) / replicas
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        if (
+            not out
+            or size + g.numel() * g.element_size() > _BUCKET_BYTES
+            or (out[-1][0].dtype != g.dtype or out[-1][0].device != g.device)
+        ):
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += g.numel() * g.element_size()
+    return out

@@ -1,0 +1,347 @@
+"""The wire format: one msgpack header frame, then one raw frame per tensor.
+
+Decoding is strict and never unpickles: every field is checked against the
+header schema and the configured limits, and a violation is a `MessageError`
+naming the field. Tensors are sent without a copy from contiguous host memory
+and received with `torch.frombuffer` over the frame's own buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from myelin.errors import MessageError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "KINDS",
+    "DTYPES",
+    "Message",
+    "MessageLimits",
+    "encode",
+    "decode",
+    "tensor_frame",
+]
+
+PROTOCOL_VERSION = 1
+KINDS = ("activation", "gradient", "control")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_HEADER_FIELDS = ("version", "kind", "src", "step", "microbatch", "stage", "tensors", "meta")
+_TENSOR_FIELDS = {"dtype", "shape", "nbytes", "shm"}
+_META_MAX_DEPTH = 8
+_INT_MAX = 2**63 - 1
+
+
+@dataclass(slots=True)
+class Message:
+    """One point-to-point message: who sent it, for which operation, and its tensors."""
+
+    kind: str
+    src: int
+    step: int
+    microbatch: int
+    stage: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MessageLimits:
+    """Upper bounds a decoder enforces, so a peer cannot make a rank allocate without bound."""
+
+    max_header_bytes: int = 64 * 1024
+    max_tensors: int = 256
+    max_ndim: int = 32
+    max_tensor_bytes: int = 8 * 2**30
+    max_message_bytes: int = 16 * 2**30
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"MessageLimits.{name} must be a positive int, got {value!r}")
+
+
+DEFAULT_LIMITS = MessageLimits()
+
+# Where a tensor lives when it travels outside the frames (shared memory): the
+# transport supplies `place` on encode and `fetch` on decode.
+Place = Callable[[int, torch.Tensor], "list[int] | None"]
+Fetch = Callable[[int, list[int], torch.dtype, tuple[int, ...], int], torch.Tensor]
+
+
+def tensor_frame(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor that keeps the tensor alive."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._owner = tensor  # the view must not outlive the tensor's storage
+    return memoryview(array).cast("B")
+
+
+def encode(message: Message, place: Place | None = None) -> list[memoryview | bytes]:
+    """Encode a message into frames: a msgpack header, then one frame per tensor."""
+    _check_outgoing(message)
+    specs: list[dict[str, Any]] = []
+    frames: list[memoryview | bytes] = []
+    for i, t in enumerate(message.tensors):
+        if not t.is_contiguous():
+            t = t.contiguous()
+        spec: dict[str, Any] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "nbytes": t.numel() * t.element_size(),
+        }
+        loc = place(i, t) if place is not None else None
+        if loc is not None:
+            spec["shm"] = list(loc)
+        else:
+            frames.append(tensor_frame(t))
+        specs.append(spec)
+    header = {
+        "version": PROTOCOL_VERSION,
+        "kind": message.kind,
+        "src": message.src,
+        "step": message.step,
+        "microbatch": message.microbatch,
+        "stage": message.stage,
+        "tensors": specs,
+        "meta": message.meta,
+    }
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def decode(
+    frames: Sequence[Any],
+    limits: MessageLimits = DEFAULT_LIMITS,
+    fetch: Fetch | None = None,
+) -> Message:
+    """Decode frames into a Message, or raise `MessageError` naming the bad field.
+
+    Frames may be bytes, memoryviews or `zmq.Frame`s; tensors alias the frames' buffers.
+    """
+    if len(frames) == 0:
+        raise MessageError("frames", "no frames (expected a header frame)")
+    header = _unpack_header(_buffer(frames[0]), limits)
+    specs = _check_tensor_specs(header["tensors"], limits)
+    inline = [s for s in specs if s[3] is None]
+    if len(frames) != 1 + len(inline):
+        raise MessageError(
+            "tensors",
+            f"header lists {len(inline)} inline tensors but {len(frames) - 1} frames came",
+        )
+    tensors: list[torch.Tensor] = []
+    next_frame = 1
+    for i, (dtype, shape, nbytes, shm) in enumerate(specs):
+        if shm is not None:
+            if fetch is None:
+                raise MessageError(f"tensors[{i}].shm", "shared memory is not enabled here")
+            tensors.append(fetch(header["src"], shm, dtype, shape, nbytes))
+            continue
+        buf = _buffer(frames[next_frame])
+        next_frame += 1
+        if buf.nbytes != nbytes:
+            raise MessageError(
+                f"tensors[{i}].nbytes", f"header says {nbytes} bytes, frame has {buf.nbytes}"
+            )
+        tensors.append(_tensor_from(buf, dtype, shape))
+    return Message(
+        kind=header["kind"],
+        src=header["src"],
+        step=header["step"],
+        microbatch=header["microbatch"],
+        stage=header["stage"],
+        tensors=tensors,
+        meta=header["meta"],
+    )
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise MessageError("frames", f"frame of type {type(frame).__name__} is not bytes") from None
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if buf.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only zmq buffers warn; we own them now
+        t = torch.frombuffer(buf, dtype=dtype)
+    if t.data_ptr() % t.element_size():
+        t = t.clone()  # unaligned frame: copy rather than hand kernels a misaligned pointer
+    return t.view(shape)
+
+
+def _unpack_header(buf: memoryview, limits: MessageLimits) -> dict[str, Any]:
+    if buf.nbytes > limits.max_header_bytes:
+        raise MessageError(
+            "header", f"{buf.nbytes} bytes exceeds the limit of {limits.max_header_bytes}"
+        )
+    try:
+        header = msgpack.unpackb(
+            buf,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=_reject_ext,
+        )
+    except MessageError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise MessageError("header", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise MessageError("header", f"expected a map, got {type(header).__name__}")
+    unknown = sorted(set(header) - set(_HEADER_FIELDS))
+    if unknown:
+        raise MessageError(unknown[0], "unknown header field")
+    for name in _HEADER_FIELDS:
+        if name not in header:
+            raise MessageError(name, "missing")
+    if header["version"] != PROTOCOL_VERSION or type(header["version"]) is not int:
+        raise MessageError(
+            "version",
+            f"unsupported protocol version {header['version']!r}, "
+            f"this build speaks {PROTOCOL_VERSION}",
+        )
+    if header["kind"] not in KINDS:
+        raise MessageError("kind", f"{header['kind']!r} is not one of {', '.join(KINDS)}")
+    for name in ("src", "step", "microbatch", "stage"):
+        _check_int(name, header[name])
+    if not isinstance(header["meta"], dict):
+        raise MessageError("meta", f"expected a map, got {type(header['meta']).__name__}")
+    _check_meta("meta", header["meta"], 0)
+    return header
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise MessageError("header", f"msgpack extension type {code} is not allowed")
+
+
+def _check_int(name: str, value: Any, low: int = 0) -> int:
+    if type(value) is not int:
+        raise MessageError(name, f"expected an int, got {type(value).__name__}")
+    if not low <= value <= _INT_MAX:
+        raise MessageError(name, f"{value} is out of range [{low}, {_INT_MAX}]")
+    return value
+
+
+def _check_meta(path: str, value: Any, depth: int) -> None:
+    if depth > _META_MAX_DEPTH:
+        raise MessageError(path, f"nested deeper than {_META_MAX_DEPTH}")
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_meta(f"{path}[{i}]", item, depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) is not str:
+                raise MessageError(path, f"map key {key!r} is not a string")
+            _check_meta(f"{path}.{key}", item, depth + 1)
+        return
+    raise MessageError(path, f"value of type {type(value).__name__} is not allowed")
+
+
+def _check_tensor_specs(
+    specs: Any, limits: MessageLimits
+) -> list[tuple[torch.dtype, tuple[int, ...], int, list[int] | None]]:
+    if not isinstance(specs, list):
+        raise MessageError("tensors", f"expected a list, got {type(specs).__name__}")
+    if len(specs) > limits.max_tensors:
+        raise MessageError(
+            "tensors", f"{len(specs)} tensors exceeds the limit of {limits.max_tensors}"
+        )
+    out = []
+    total = 0
+    for i, spec in enumerate(specs):
+        where = f"tensors[{i}]"
+        if not isinstance(spec, dict):
+            raise MessageError(where, f"expected a map, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - _TENSOR_FIELDS)
+        if unknown:
+            raise MessageError(f"{where}.{unknown[0]}", "unknown tensor field")
+        for name in ("dtype", "shape", "nbytes"):
+            if name not in spec:
+                raise MessageError(f"{where}.{name}", "missing")
+        dtype = DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+        if dtype is None:
+            raise MessageError(
+                f"{where}.dtype", f"{spec['dtype']!r} is not one of {', '.join(DTYPES)}"
+            )
+        shape = spec["shape"]
+        if not isinstance(shape, list):
+            raise MessageError(f"{where}.shape", f"expected a list, got {type(shape).__name__}")
+        if len(shape) > limits.max_ndim:
+            raise MessageError(f"{where}.shape", f"{len(shape)} dims exceeds {limits.max_ndim}")
+        numel = 1
+        for d, size in enumerate(shape):
+            _check_int(f"{where}.shape[{d}]", size)
+            numel *= size
+        nbytes = _check_int(f"{where}.nbytes", spec["nbytes"])
+        expected = numel * dtype.itemsize
+        if nbytes != expected:
+            raise MessageError(
+                f"{where}.nbytes",
+                f"shape {shape} of {spec['dtype']} is {expected} bytes, header says {nbytes}",
+            )
+        if nbytes > limits.max_tensor_bytes:
+            raise MessageError(
+                f"{where}.nbytes", f"{nbytes} exceeds the limit of {limits.max_tensor_bytes}"
+            )
+        total += nbytes
+        if total > limits.max_message_bytes:
+            raise MessageError(
+                "tensors", f"{total} bytes in all exceeds the limit of {limits.max_message_bytes}"
+            )
+        shm = spec.get("shm")
+        if shm is not None:
+            if not isinstance(shm, list) or not shm:
+                raise MessageError(f"{where}.shm", "expected a non-empty list of ints")
+            for j, v in enumerate(shm):
+                _check_int(f"{where}.shm[{j}]", v)
+        out.append((dtype, tuple(shape), nbytes, shm))
+    return out
+
+
+def _check_outgoing(message: Message) -> None:
+    if message.kind not in KINDS:
+        raise MessageError("kind", f"{message.kind!r} is not one of {', '.join(KINDS)}")
+    for name in ("src", "step", "microbatch", "stage"):
+        _check_int(name, getattr(message, name))
+    if not isinstance(message.meta, dict):
+        raise MessageError("meta", f"expected a dict, got {type(message.meta).__name__}")
+    for i, t in enumerate(message.tensors):
+        if not isinstance(t, torch.Tensor):
+            raise MessageError(f"tensors[{i}]", f"expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_NAMES:
+            raise MessageError(
+                f"tensors[{i}].dtype", f"{t.dtype} is not one of {', '.join(DTYPES)}"
+            )
+        if t.device.type != "cpu":
+            raise MessageError(
+                f"tensors[{i}].device", f"tensor is on {t.device}; copy it to host memory first"
+            )

@@ -1,0 +1,136 @@
+"""Operation names and the policies that choose which ready operation runs next.
+
+Actions use torch.distributed.pipelining's notation: `1F3` is stage 1's forward of
+microbatch 3, `1B3` its backward, `1SEND_F3` the send of that forward's output.
+The default policy is message-driven: whatever is ready runs, backward before
+forward, oldest microbatch first. GPipe and 1F1B are fixed orders, kept to compare.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from myelin.errors import ConfigError
+
+__all__ = ["Action", "SCHEDULES", "Ready", "Policy", "make_policy", "fixed_order"]
+
+SCHEDULES = ("message-driven", "gpipe", "1f1b")
+_KINDS = ("F", "B", "SEND_F", "SEND_B", "RECV_F", "RECV_B", "OPT", "ALLREDUCE")
+_PATTERN = re.compile(r"^(\d+)(" + "|".join(sorted(_KINDS, key=len, reverse=True)) + r")(\d*)$")
+
+
+class Action(NamedTuple):
+    """One operation of one stage; `str(Action(1, "F", 3)) == "1F3"` and back via parse."""
+
+    stage: int
+    kind: str
+    microbatch: int | None = None
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.kind}{mb}"
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        m = _PATTERN.match(text)
+        if m is None:
+            raise ValueError(f"{text!r} is not an action such as '1F3', '0B2' or '1SEND_F3'")
+        return Action(int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None)
+
+
+@dataclass(slots=True)
+class Ready:
+    """What this stage could run now, and how far the step has come."""
+
+    stage: int
+    num_stages: int
+    microbatches: int
+    forward: set[int] = field(default_factory=set)  # microbatches whose inputs are here
+    backward: set[int] = field(default_factory=set)  # microbatches whose output grads are here
+    forwards_done: int = 0
+    backwards_done: int = 0
+
+    @property
+    def inflight(self) -> int:
+        """Microbatches forwarded on this stage whose backward has not run yet."""
+        return self.forwards_done - self.backwards_done
+
+
+class Policy:
+    """Chooses the next action from what is ready, or None to wait for a message."""
+
+    name = "message-driven"
+
+    def __init__(self, max_inflight: int) -> None:
+        self.max_inflight = max_inflight
+
+    def begin_step(self, ready: Ready) -> None:
+        """Called once per step before any action of that step."""
+
+    def pick(self, ready: Ready) -> Action | None:
+        if ready.backward:
+            return Action(ready.stage, "B", min(ready.backward))
+        if ready.forward and (ready.stage != 0 or ready.inflight < self.max_inflight):
+            return Action(ready.stage, "F", min(ready.forward))
+        return None
+
+    def waiting_for(self, ready: Ready) -> Action | None:
+        """The action this policy would run next if its message had arrived."""
+        if ready.inflight > 0:
+            return Action(ready.stage, "B", ready.backwards_done)
+        if ready.forwards_done < ready.microbatches:
+            return Action(ready.stage, "F", ready.forwards_done)
+        return None
+
+
+class FixedPolicy(Policy):
+    """Runs a precomputed per-stage order, waiting whenever the next action is not ready."""
+
+    def __init__(self, name: str, max_inflight: int) -> None:
+        super().__init__(max_inflight)
+        self.name = name
+        self._order: list[Action] = []
+        self._pos = 0
+
+    def begin_step(self, ready: Ready) -> None:
+        self._order = fixed_order(self.name, ready.stage, ready.num_stages, ready.microbatches)
+        self._pos = 0
+
+    def pick(self, ready: Ready) -> Action | None:
+        if self._pos >= len(self._order):
+            return None
+        action = self._order[self._pos]
+        pool = ready.forward if action.kind == "F" else ready.backward
+        if action.microbatch not in pool:
+            return None
+        self._pos += 1
+        return action
+
+    def waiting_for(self, ready: Ready) -> Action | None:
+        return self._order[self._pos] if self._pos < len(self._order) else None
+
+
+def fixed_order(name: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:
+    """The compute actions of one stage for one step under GPipe or 1F1B."""
+    m = microbatches
+    if name == "gpipe":
+        return [Action(stage, "F", i) for i in range(m)] + [Action(stage, "B", i) for i in range(m)]
+    if name == "1f1b":
+        warmup = min(m, num_stages - stage)
+        order = [Action(stage, "F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action(stage, "B", i), Action(stage, "F", warmup + i)]
+        order += [Action(stage, "B", i) for i in range(m - warmup, m)]
+        return order
+    raise ConfigError(f"schedule={name!r} has no fixed order; choose one of {SCHEDULES}")
+
+
+def make_policy(schedule: str, max_inflight: int) -> Policy:
+    """Build the policy named by `schedule` (one of SCHEDULES)."""
+    if schedule == "message-driven":
+        return Policy(max_inflight)
+    if schedule in ("gpipe", "1f1b"):
+        return FixedPolicy(schedule, max_inflight)
+    raise ConfigError(f"schedule={schedule!r} must be one of {SCHEDULES}")

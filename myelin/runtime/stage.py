@@ -1,0 +1,159 @@
+"""One pipeline stage on one device: forward and backward of single microbatches.
+
+The stage keeps, per microbatch in flight, the inputs it received (as autograd
+leaves) and the outputs it produced, so a later gradient message can run the
+backward of exactly that microbatch. The last stage also applies the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from myelin.errors import MyelinError
+
+__all__ = ["Stage", "as_tuple"]
+
+
+def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
+    """A stage's inputs or outputs as a tuple of tensors."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    raise MyelinError(
+        f"a pipeline stage must take and return a tensor or a tuple of tensors, "
+        f"got {type(value).__name__}"
+    )
+
+
+@dataclass(slots=True)
+class _Flight:
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    loss: torch.Tensor | None = None
+
+
+class Stage:
+    """Runs `module` as stage `index` of `num_stages` on `device`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        index: int,
+        num_stages: int,
+        device: torch.device,
+        loss_fn: Callable[..., torch.Tensor],
+    ) -> None:
+        self.module = module
+        self.index = index
+        self.num_stages = num_stages
+        self.device = device
+        self.loss_fn = loss_fn
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self._flights: dict[int, _Flight] = {}
+
+    def forward(
+        self, mb: int, inputs: tuple[torch.Tensor, ...], target: Any = None, divisor: int = 1
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the forward of microbatch `mb`; on the last stage, also its loss.
+
+        The loss is divided by `divisor` (the microbatch count) before its backward,
+        as in gradient accumulation. Returns the outputs to send on (the last stage: ()).
+        """
+        inputs = tuple(self._receive(t) for t in inputs)
+        outputs = as_tuple(self.module(*inputs))
+        if not self.is_last:
+            self._flights[mb] = _Flight(inputs, outputs)
+            return outputs
+        out = outputs[0] if len(outputs) == 1 else outputs
+        loss = self.loss_fn(out, _to(target, self.device))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise MyelinError(
+                f"loss_fn must return a scalar tensor, got "
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+            )
+        self._flights[mb] = _Flight(inputs, (loss.reshape(()) / divisor,), loss.detach())
+        return ()
+
+    def _receive(self, t: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            return t.to(self.device, non_blocking=True)
+        t = t.detach().to(self.device, non_blocking=True)
+        if t.is_floating_point():
+            t.requires_grad_(True)
+        return t
+
+    def loss(self, mb: int) -> float:
+        """The unscaled loss of microbatch `mb` (last stage only, after its forward)."""
+        flight = self._flights[mb]
+        assert flight.loss is not None
+        return float(flight.loss)
+
+    def backward(
+        self, mb: int, grads: list[torch.Tensor] | None = None, index: list[int] | None = None
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Run the backward of microbatch `mb` given the gradients of its outputs.
+
+        `index` says which outputs `grads` belong to. Returns the gradients of the
+        inputs that need one, and their positions, for the previous stage.
+        """
+        flight = self._flights.pop(mb, None)
+        if flight is None:
+            raise MyelinError(f"stage {self.index}: backward of microbatch {mb} before its forward")
+        if self.is_last:
+            flight.outputs[0].backward()
+        else:
+            index = list(range(len(grads or []))) if index is None else index
+            grads = grads or []
+            if len(index) != len(grads):
+                raise MyelinError(
+                    f"stage {self.index}: microbatch {mb} got {len(grads)} gradients for "
+                    f"outputs {index}"
+                )
+            pairs = []
+            for j, g in zip(index, grads, strict=True):
+                if not 0 <= j < len(flight.outputs):
+                    raise MyelinError(
+                        f"stage {self.index}: microbatch {mb} got a gradient for output {j}, "
+                        f"but it has {len(flight.outputs)} outputs"
+                    )
+                out = flight.outputs[j]
+                if tuple(g.shape) != tuple(out.shape):
+                    raise MyelinError(
+                        f"stage {self.index}: gradient of output {j} of microbatch {mb} has shape "
+                        f"{tuple(g.shape)}, expected {tuple(out.shape)}"
+                    )
+                if out.requires_grad:
+                    pairs.append((out, g.to(self.device, out.dtype, non_blocking=True)))
+            if pairs:
+                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        if self.is_first:
+            return [], []
+        out_grads, out_index = [], []
+        for i, t in enumerate(flight.inputs):
+            if t.requires_grad and t.grad is not None:
+                out_grads.append(t.grad)
+                out_index.append(i)
+        return out_grads, out_index
+
+    def in_flight(self, mb: int) -> bool:
+        """Whether microbatch `mb` has run forward here and waits for its backward."""
+        return mb in self._flights
+
+    def clear(self) -> None:
+        """Forget every microbatch in flight (after a failed step)."""
+        self._flights.clear()
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value

@@ -1,0 +1,302 @@
+"""The drop-in wrapper users hold: split the model, join the world, train step by step.
+
+    trainer = myelin.Trainer(model, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                             loss_fn=F.cross_entropy, stages=2, microbatches=8)
+    loss = trainer.step(inputs, targets)
+
+Every rank runs the same script (SPMD); each keeps only its own stage of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from myelin.errors import ConfigError, MyelinError, RemoteError
+from myelin.partition import split, stage_module
+from myelin.runtime.group import (
+    Layout,
+    World,
+    check_world_size,
+    close_world,
+    init_world,
+    pick_device,
+)
+from myelin.runtime.loop import EventLoop, LoopConfig
+from myelin.runtime.schedule import SCHEDULES, make_policy
+from myelin.runtime.stage import Stage
+from myelin.runtime.transport import Transport, TransportConfig
+
+__all__ = ["PipelineConfig", "Trainer", "split_batch"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    """How the model is split and scheduled; every field is checked when built.
+
+    stages: pipeline stages (processes per replica).
+    microbatches: microbatches per step; the batch must split into them evenly.
+    data_parallel: replicas of the whole pipeline; gradients are averaged over them.
+    schedule: "message-driven" (run what is ready), or the fixed "gpipe" / "1f1b".
+    max_inflight: microbatches stage 0 lets into the pipeline at once (default: stages).
+    partition: layers per stage, e.g. [3, 5]; default balances parameter counts.
+    timeout: seconds any wait may last before it raises, naming what never came.
+    """
+
+    stages: int = 1
+    microbatches: int = 1
+    data_parallel: int = 1
+    schedule: str = "message-driven"
+    max_inflight: int | None = None
+    partition: tuple[int, ...] | None = None
+    timeout: float = 300.0
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "microbatches", "data_parallel"):
+            _positive_int(name, getattr(self, name))
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.max_inflight is not None:
+            _positive_int("max_inflight", self.max_inflight)
+        if self.partition is not None:
+            if not isinstance(self.partition, (list, tuple)):
+                raise ConfigError(f"partition={self.partition!r} must be a list of layer counts")
+            object.__setattr__(self, "partition", tuple(self.partition))
+            if len(self.partition) != self.stages:
+                raise ConfigError(
+                    f"partition={list(self.partition)} lists {len(self.partition)} stages, "
+                    f"but stages={self.stages}"
+                )
+            for c in self.partition:
+                if type(c) is not int or c < 1:
+                    raise ConfigError(
+                        f"partition={list(self.partition)}: each entry must be an int >= 1"
+                    )
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+            raise ConfigError(f"timeout={self.timeout!r} must be a number of seconds")
+        if not 0 < self.timeout <= 86_400:
+            raise ConfigError(f"timeout={self.timeout!r} must be in (0, 86400] seconds")
+        if not isinstance(self.transport, TransportConfig):
+            raise ConfigError(f"transport={self.transport!r} must be a myelin.TransportConfig")
+
+    @property
+    def inflight(self) -> int:
+        return self.max_inflight if self.max_inflight is not None else self.stages
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an int >= 1")
+
+
+class Trainer:
+    """Trains `model` split into `stages` pipeline stages, `data_parallel` times over.
+
+    optimizer: called with this stage's parameters, e.g. partial(torch.optim.AdamW, lr=1e-3).
+    loss_fn: loss_fn(output, target) -> scalar tensor, applied on the last stage.
+    device: this rank's device; default its local GPU, else the CPU.
+    Other keyword arguments are the fields of `PipelineConfig`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: Callable[..., torch.optim.Optimizer],
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        stages: int = 1,
+        microbatches: int = 1,
+        data_parallel: int = 1,
+        schedule: str = "message-driven",
+        max_inflight: int | None = None,
+        partition: Sequence[int] | None = None,
+        timeout: float = 300.0,
+        transport: TransportConfig | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        self.config = PipelineConfig(
+            stages=stages,
+            microbatches=microbatches,
+            data_parallel=data_parallel,
+            schedule=schedule,
+            max_inflight=max_inflight,
+            partition=partition,
+            timeout=timeout,
+            transport=transport if transport is not None else TransportConfig(),
+        )
+        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            raise ConfigError(
+                "optimizer must be a factory called with each stage's parameters, e.g. "
+                "functools.partial(torch.optim.AdamW, lr=1e-3), not an optimizer instance"
+            )
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
+        cfg = self.config
+        layout = Layout(cfg.stages, cfg.data_parallel)
+        check_world_size(layout)
+        if cfg.stages > 1 or cfg.partition is not None:
+            split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
+        self._closed = False
+        self._failed: BaseException | None = None
+        self.transport: Transport | None = None
+        self.world: World = init_world(layout, pick_device(device), cfg.timeout)
+        try:
+            self._build(model, optimizer, loss_fn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
+        cfg, world = self.config, self.world
+        self.module = stage_module(model, cfg.stages, world.stage, cfg.partition).to(world.device)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = optimizer(params) if params else None
+        if world.layout.world_size > 1:
+            generation = world.store.add(f"myelin/trainers/{world.rank}", 1)
+            self.transport = Transport(
+                world.rank,
+                world.layout.world_size,
+                world.store,
+                cfg.transport,
+                prefix=f"myelin/t{generation}",
+                same_host=world.same_host,
+            )
+            peers = [
+                world.peer(s) for s in (world.stage - 1, world.stage + 1) if 0 <= s < cfg.stages
+            ]
+            self.transport.connect(peers)
+        stage = Stage(self.module, world.stage, cfg.stages, world.device, loss_fn)
+        self.loop = EventLoop(
+            stage,
+            world,
+            self.transport,
+            make_policy(cfg.schedule, cfg.inflight),
+            self.optimizer,
+            LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
+        )
+        self.steps_done = 0
+
+    # -- where this process sits ---------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def stage(self) -> int:
+        return self.world.stage
+
+    @property
+    def replica(self) -> int:
+        return self.world.replica
+
+    @property
+    def world_size(self) -> int:
+        return self.world.layout.world_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.world.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.world.stage == self.config.stages - 1
+
+    # -- training --------------------------------------------------------------
+
+    def step(self, inputs: Any = None, targets: Any = None) -> float:
+        """Train one step on a batch; returns its mean loss, the same on every rank.
+
+        `inputs` (a tensor or a tuple of tensors) and `targets` are split along dim 0
+        into `microbatches`; or pass lists of per-microbatch inputs and targets, whose
+        shapes may differ. Only stage 0 reads inputs and only the last stage targets.
+        """
+        if self._closed:
+            raise MyelinError("this Trainer is closed")
+        if self._failed is not None:
+            raise MyelinError(
+                f"an earlier step failed and left the pipeline broken: {self._failed}"
+            ) from self._failed
+        m = self.config.microbatches
+        mb_inputs = split_batch(inputs, m, "inputs")
+        mb_targets = split_batch(targets, m, "targets")
+        try:
+            loss = self.loop.run_step(self.steps_done, mb_inputs, mb_targets)
+        except BaseException as exc:
+            self._failed = exc
+            if not isinstance(exc, RemoteError):
+                self._abort(exc)
+            raise
+        self.steps_done += 1
+        return loss
+
+    def _abort(self, exc: BaseException) -> None:
+        """Tell every other rank this one failed, so none waits for it until a timeout."""
+        if self.transport is None:
+            return
+        detail = f"{type(exc).__name__}: {exc}"[:2000]
+        for r in range(self.world_size):
+            if r != self.rank:
+                try:
+                    self.transport.send_control(r, {"op": "abort", "error": detail})
+                except Exception as send_exc:  # best effort: the peer may be gone too
+                    log.debug("rank %d: could not tell rank %d: %s", self.rank, r, send_exc)
+
+    def close(self) -> None:
+        """Close sockets and the groups this trainer created; safe to call twice."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+        close_world(self.world)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:
+    """Split a batch along dim 0 into microbatches; a list is taken as microbatches already."""
+    if batch is None:
+        return None
+    if isinstance(batch, list):
+        if len(batch) != microbatches:
+            raise ConfigError(
+                f"{what}: a list is taken as one entry per microbatch, got {len(batch)} entries "
+                f"for microbatches={microbatches}"
+            )
+        return batch
+    tensors = batch if isinstance(batch, tuple) else (batch,)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(
+                f"{what}[{i}] is a {type(t).__name__}; pass tensors, a tuple of tensors, or a "
+                f"list of per-microbatch entries"
+            )
+        if t.dim() == 0:
+            raise ConfigError(f"{what}[{i}] is 0-d; a batch needs a leading batch dimension")
+    size = tensors[0].shape[0]
+    for i, t in enumerate(tensors):
+        if t.shape[0] != size:
+            raise ConfigError(f"{what}[{i}] has batch size {t.shape[0]}, but {what}[0] has {size}")
+    if size == 0 or size % microbatches:
+        raise ConfigError(
+            f"{what}: a batch of {size} does not split into microbatches={microbatches}; "
+            f"use a batch size divisible by {microbatches}, or pass a list of {microbatches} "
+            f"microbatches"
+        )
+    chunks = [t.split(size // microbatches) for t in tensors]
+    if isinstance(batch, tuple):
+        return [tuple(c[i] for c in chunks) for i in range(microbatches)]
+    return list(chunks[0])
