@@ -141,9 +141,9 @@ class Trainer:
             raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
         cfg = self.config
         layout = Layout(cfg.stages, cfg.data_parallel)
-        check_world_size(layout)
         if cfg.stages > 1 or cfg.partition is not None:
             split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
+        check_world_size(layout)
         self._closed = False
         self._failed: BaseException | None = None
         self.transport: Transport | None = None

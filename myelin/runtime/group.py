@@ -8,6 +8,7 @@ ZeroMQ address, so there is no second rendezvous.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass, field
@@ -131,6 +132,9 @@ def init_world(layout: Layout, device: torch.device, timeout_s: float) -> World:
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        # The default group lives as long as the process: a second Trainer in the same
+        # script reuses it (re-creating it on the same store would find stale keys).
+        atexit.register(_destroy_default_group)
         owns = True
     rank = dist.get_rank()
     world = World(rank=rank, layout=layout, device=device, owns_process_group=owns)
@@ -155,11 +159,14 @@ def _all_same_host(store: Any, rank: int, world_size: int, timeout_s: float) -> 
 
 
 def close_world(world: World) -> None:
-    """Destroy the groups this rank created; leave a user's own process group alone."""
+    """Destroy the data-parallel groups this trainer created; the default group stays."""
     if not dist.is_initialized():
         return
     for group in world.extra_groups:
         dist.destroy_process_group(group)
     world.extra_groups.clear()
-    if world.owns_process_group:
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""Train cases with myelin and with one process doing gradient accumulation; record both.
+
+Run by tests/runtime/test_pipeline.py as `myelin run -n N equivalence.py --out DIR CASE...`,
+where CASE is model:stages:data_parallel:schedule:transport:lengths, e.g.
+`gpt:2:1:1f1b:tcp:varied`. Every case must use all N processes.
+"""
+
+import argparse
+import copy
+import functools
+import hashlib
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+import myelin
+from myelin.models import GPT, GPTConfig, lm_loss
+from myelin.partition import layers_of
+
+STEPS, MICROBATCHES, LR = 5, 4, 3e-3
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name == "mlp":
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+            torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8),
+        ), F.cross_entropy
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, d_model=32)
+    return GPT(cfg), lm_loss
+
+
+def batch(name, step, replica, varied):
+    """Inputs and targets of one replica's step; varied: a list of different-length microbatches."""
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    if name == "mlp":
+        return torch.randn(4 * MICROBATCHES, 16, generator=g), torch.randint(0, 8, (16,), generator=g)
+    if not varied:
+        x = torch.randint(0, 64, (2 * MICROBATCHES, 17), generator=g)
+        return x[:, :-1], x[:, 1:]
+    xs, ys = [], []
+    for _ in range(MICROBATCHES):
+        t = int(torch.randint(4, 32, (), generator=g))
+        x = torch.randint(0, 64, (2, t + 1), generator=g)
+        xs.append(x[:, :-1])
+        ys.append(x[:, 1:])
+    return xs, ys
+
+
+def pieces(x, y):
+    if isinstance(x, list):
+        return list(zip(x, y))
+    return list(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)))
+
+
+def reference(name, replicas, varied):
+    model, loss_fn = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for r in range(replicas):
+            for xi, yi in pieces(*batch(name, step, r, varied)):
+                loss = loss_fn(model(xi), yi)
+                (loss / (MICROBATCHES * replicas)).backward()
+                total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / (MICROBATCHES * replicas))
+    return model, losses
+
+
+def run_case(case):
+    name, stages, dp, schedule, kind, lengths = case.split(":")
+    stages, dp, varied = int(stages), int(dp), lengths == "varied"
+    model, loss_fn = build(name)
+    trainer = myelin.Trainer(
+        model, optimizer=functools.partial(torch.optim.AdamW, lr=LR), loss_fn=loss_fn,
+        stages=stages, data_parallel=dp, microbatches=MICROBATCHES, schedule=schedule,
+        transport=myelin.TransportConfig(kind=kind), timeout=60,
+    )
+    with trainer:
+        losses = [trainer.step(*batch(name, s, trainer.replica, varied)) for s in range(STEPS)]
+        ref_model, ref_losses = reference(name, dp, varied)
+        mine = list(trainer.module.parameters())
+        first = trainer.module.first_layer
+        ref_layers = layers_of(ref_model)[first : first + len(trainer.module)]
+        theirs = [p for layer in ref_layers for p in layer.parameters()]
+        assert len(mine) == len(theirs), (len(mine), len(theirs))
+        diff = max(float((a - b).detach().abs().max()) for a, b in zip(mine, theirs))
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in mine)).hexdigest()
+        return {
+            "rank": trainer.rank, "stage": trainer.stage, "replica": trainer.replica,
+            "losses": losses, "ref_losses": ref_losses, "param_diff": diff, "digest": digest,
+            "transport": trainer.transport.kind if trainer.transport else None,
+        }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {case: run_case(case) for case in args.cases}
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
