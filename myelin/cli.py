@@ -80,14 +80,17 @@ def launch(
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
-        codes = {rank: f.exitcode for rank, f in exc.failures.items()}
-        first = min(codes)
+        failures = exc.failures
+        # The first process to exit with an error is the cause; the others were stopped.
+        causes = [r for r, f in failures.items() if isinstance(f.exitcode, int) and f.exitcode > 0]
+        first = min(causes or failures, key=lambda r: (failures[r].timestamp, r))
+        code = failures[first].exitcode
+        codes = {r: f.exitcode for r, f in sorted(failures.items())}
         print(
-            f"myelin run: {len(codes)} of {nproc} processes failed "
-            f"(exit codes by rank: {codes}); see the errors above",
+            f"myelin run: rank {first} failed first (exit code {code}); exit codes by rank: "
+            f"{codes}; see its error above",
             file=sys.stderr,
         )
-        code = codes[first]
         return code if isinstance(code, int) and 0 < code < 256 else 1
     return 0
 

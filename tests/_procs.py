@@ -42,15 +42,31 @@ def launch(
     if launcher == "myelin":
         cmd = [sys.executable, "-m", "myelin.cli", "run", "-n", str(nproc), script]
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            script,
+        ]
     else:
         raise ValueError(launcher)
-    full_env = {**os.environ, "TMPDIR": str(sockdir), "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "TMPDIR": str(sockdir),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
     proc = subprocess.Popen(
-        [*cmd, "--out", str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=full_env, start_new_session=True,
+        [*cmd, "--out", str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
     )
     try:
         output, _ = proc.communicate(timeout=timeout)

@@ -10,8 +10,13 @@ def test_silent_peer_raises_deadline_naming_what_never_came(tmp_path):
     assert job.returncode != 0
     err = job.results[0]
     assert err["error_type"] == "DeadlineError", err
-    for part in ("rank 0 (stage 0, replica 0)", "step 0", "gradient of microbatch 0",
-                 "from rank 1", "0B0"):
+    for part in (
+        "rank 0 (stage 0, replica 0)",
+        "step 0",
+        "gradient of microbatch 0",
+        "from rank 1",
+        "0B0",
+    ):
         assert part in err["error"], (part, err["error"])
     assert err["elapsed"] < 15
 

@@ -30,6 +30,7 @@ def _same_params(job, cases):
 TWO = [
     "mlp:2:1:message-driven:ipc:fixed",
     "mlp:2:1:message-driven:tcp:fixed",
+    "multi:2:1:message-driven:ipc:fixed",
     "gpt:2:1:message-driven:tcp:fixed",
     "gpt:2:1:gpipe:ipc:fixed",
     "gpt:2:1:1f1b:ipc:fixed",
@@ -40,7 +41,7 @@ TWO = [
 
 FOUR = [
     "mlp:4:1:message-driven:tcp:fixed",
-    "mlp:4:1:message-driven:ipc:fixed",
+    "multi:4:1:1f1b:tcp:fixed",
     "gpt:4:1:gpipe:ipc:fixed",
     "gpt:4:1:1f1b:ipc:fixed",
     "gpt:4:1:message-driven:ipc:fixed",
@@ -53,7 +54,7 @@ FOUR = [
 def test_two_stages_match_single_process(tmp_path):
     job = launch(2, "equivalence.py", TWO, tmp_path, timeout=180)
     _check(job, TWO, 2)
-    _same_params(job, TWO[3:6])  # the three schedules agree bit for bit
+    _same_params(job, TWO[4:7])  # the three schedules agree bit for bit
     _same_params(job, ["gpt:2:1:message-driven:ipc:varied", "gpt:2:1:1f1b:tcp:varied"])
 
 

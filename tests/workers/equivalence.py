@@ -6,7 +6,6 @@ where CASE is model:stages:data_parallel:schedule:transport:lengths, e.g.
 """
 
 import argparse
-import copy
 import functools
 import hashlib
 import json
@@ -18,16 +17,56 @@ import torch.nn.functional as F
 import myelin
 from myelin.models import GPT, GPTConfig, lm_loss
 from myelin.partition import layers_of
+from myelin.runtime.messages import tensor_frame
 
 STEPS, MICROBATCHES, LR = 5, 4, 3e-3
 
 
+class Fan(torch.nn.Module):
+    """Turns one tensor into three: features, a gate, and an int64 mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, torch.sigmoid(h), (x[:, :1] > 0).long()
+
+
+class Gated(torch.nn.Module):
+    """Takes and returns several tensors, so stage boundaries carry more than one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, h, gate, mask):
+        return torch.tanh(self.lin(h)) * gate + mask, gate * 0.5, mask
+
+
+class Merge(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 8)
+
+    def forward(self, h, gate, mask):
+        return self.lin(h + gate) * (1 + mask)
+
+
 def build(name):
     torch.manual_seed(0)
+    if name == "multi":
+        return myelin.StageModule([Fan(), Gated(), Gated(), Merge()]), F.cross_entropy
     if name == "mlp":
         return torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-            torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8),
+            torch.nn.Linear(16, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 32),
+            torch.nn.Tanh(),
+            torch.nn.Linear(32, 8),
         ), F.cross_entropy
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, d_model=32)
     return GPT(cfg), lm_loss
@@ -36,8 +75,10 @@ def build(name):
 def batch(name, step, replica, varied):
     """Inputs and targets of one replica's step; varied: a list of different-length microbatches."""
     g = torch.Generator().manual_seed(1000 * step + replica)
-    if name == "mlp":
-        return torch.randn(4 * MICROBATCHES, 16, generator=g), torch.randint(0, 8, (16,), generator=g)
+    if name in ("mlp", "multi"):
+        return torch.randn(4 * MICROBATCHES, 16, generator=g), torch.randint(
+            0, 8, (16,), generator=g
+        )
     if not varied:
         x = torch.randint(0, 64, (2 * MICROBATCHES, 17), generator=g)
         return x[:, :-1], x[:, 1:]
@@ -78,9 +119,15 @@ def run_case(case):
     stages, dp, varied = int(stages), int(dp), lengths == "varied"
     model, loss_fn = build(name)
     trainer = myelin.Trainer(
-        model, optimizer=functools.partial(torch.optim.AdamW, lr=LR), loss_fn=loss_fn,
-        stages=stages, data_parallel=dp, microbatches=MICROBATCHES, schedule=schedule,
-        transport=myelin.TransportConfig(kind=kind), timeout=60,
+        model,
+        optimizer=functools.partial(torch.optim.AdamW, lr=LR),
+        loss_fn=loss_fn,
+        stages=stages,
+        data_parallel=dp,
+        microbatches=MICROBATCHES,
+        schedule=schedule,
+        transport=myelin.TransportConfig(kind=kind),
+        timeout=60,
     )
     with trainer:
         losses = [trainer.step(*batch(name, s, trainer.replica, varied)) for s in range(STEPS)]
@@ -91,10 +138,15 @@ def run_case(case):
         theirs = [p for layer in ref_layers for p in layer.parameters()]
         assert len(mine) == len(theirs), (len(mine), len(theirs))
         diff = max(float((a - b).detach().abs().max()) for a, b in zip(mine, theirs))
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in mine)).hexdigest()
+        digest = hashlib.sha256(b"".join(bytes(tensor_frame(p.detach())) for p in mine))
         return {
-            "rank": trainer.rank, "stage": trainer.stage, "replica": trainer.replica,
-            "losses": losses, "ref_losses": ref_losses, "param_diff": diff, "digest": digest,
+            "rank": trainer.rank,
+            "stage": trainer.stage,
+            "replica": trainer.replica,
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "param_diff": diff,
+            "digest": digest.hexdigest(),
             "transport": trainer.transport.kind if trainer.transport else None,
         }
 

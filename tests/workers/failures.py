@@ -40,8 +40,11 @@ def main():
     trainer = None
     try:
         trainer = myelin.Trainer(
-            model(), optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=loss_fn,
-            stages=3 if args.mode == "worldsize" else 2, microbatches=MICROBATCHES,
+            model(),
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=loss_fn,
+            stages=3 if args.mode == "worldsize" else 2,
+            microbatches=MICROBATCHES,
             timeout=3 if args.mode == "deadline" else 60,
         )
         if args.mode == "deadline" and rank == 1:

@@ -1,0 +1,78 @@
+"""Action notation and the policies that order a stage's operations."""
+
+from __future__ import annotations
+
+import pytest
+
+from myelin import Action, ConfigError
+from myelin.runtime.schedule import Ready, fixed_order, make_policy
+
+
+@pytest.mark.parametrize("text", ["1F3", "0B0", "12F105", "1SEND_F3", "2RECV_B0", "3OPT"])
+def test_action_string_round_trips(text):
+    assert str(Action.parse(text)) == text
+
+
+def test_action_fields_and_bad_text():
+    assert Action.parse("1SEND_F3") == Action(1, "SEND_F", 3)
+    assert str(Action(1, "F", 3)) == "1F3"
+    with pytest.raises(ValueError, match="'F3' is not an action"):
+        Action.parse("F3")
+
+
+def test_gpipe_runs_all_forwards_then_all_backwards():
+    assert [str(a) for a in fixed_order("gpipe", 1, 2, 3)] == [
+        "1F0",
+        "1F1",
+        "1F2",
+        "1B0",
+        "1B1",
+        "1B2",
+    ]
+
+
+def test_1f1b_warms_up_by_distance_to_the_last_stage():
+    order = [str(a) for a in fixed_order("1f1b", 0, 3, 4)]
+    assert order == ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"]
+    last = [str(a) for a in fixed_order("1f1b", 2, 3, 4)]
+    assert last == ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,m", [(1, 1), (2, 8), (4, 3), (4, 4)])
+def test_fixed_orders_run_each_microbatch_once_forward_before_backward(name, stages, m):
+    for s in range(stages):
+        order = fixed_order(name, s, stages, m)
+        assert sorted(str(a) for a in order) == sorted(
+            [f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in range(m)]
+        )
+        for i in range(m):
+            assert order.index(Action(s, "F", i)) < order.index(Action(s, "B", i))
+
+
+def test_message_driven_prefers_backward_then_oldest_and_bounds_stage0_window():
+    policy = make_policy("message-driven", max_inflight=2)
+    ready = Ready(0, 2, 8, forward=set(range(8)))
+    assert policy.pick(ready) == Action(0, "F", 0)
+    ready.forward.discard(0)
+    ready.forwards_done = 2
+    ready.forward.discard(1)
+    assert policy.pick(ready) is None  # window of 2 full: wait for a gradient
+    assert policy.waiting_for(ready) == Action(0, "B", 0)
+    ready.backward = {1, 0}
+    assert policy.pick(ready) == Action(0, "B", 0)
+
+
+def test_fixed_policy_waits_for_its_next_action():
+    policy = make_policy("gpipe", max_inflight=2)
+    ready = Ready(1, 2, 2)
+    policy.begin_step(ready)
+    ready.forward = {1}
+    assert policy.pick(ready) is None and policy.waiting_for(ready) == Action(1, "F", 0)
+    ready.forward = {0, 1}
+    assert policy.pick(ready) == Action(1, "F", 0)
+
+
+def test_unknown_schedule_is_rejected():
+    with pytest.raises(ConfigError, match="schedule='zigzag' must be one of"):
+        make_policy("zigzag", 1)

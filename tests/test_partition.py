@@ -1,0 +1,87 @@
+"""Splitting models into contiguous stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from myelin import PartitionError, StageModule, balance, split
+from myelin.models import GPT, GPTConfig
+from myelin.partition import layers_of, stage_module
+
+
+def test_balance_follows_parameter_counts():
+    assert balance([1, 1, 1, 1], 2) == [2, 2]
+    assert balance([10, 1, 1, 10], 2) == [2, 2]
+    assert balance([30, 10, 10, 10], 2) == [1, 3]
+    assert balance([5] * 8, 4) == [2, 2, 2, 2]
+    assert sum(balance([3, 1, 4, 1, 5, 9, 2, 6], 3)) == 8
+
+
+def test_every_stage_gets_a_layer_even_when_one_layer_dominates():
+    assert balance([1000, 1, 1, 1], 4) == [1, 1, 1, 1]
+    assert balance([1, 1, 1, 1000], 2) == [3, 1]
+
+
+def test_mlp_split_keeps_activations_with_their_linear():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    parts = split(model, 2)
+    assert [len(p) for p in parts] == [2, 2]
+    assert parts[0][0] is model[0] and parts[1][1] is model[3]
+
+
+def test_explicit_partition_and_its_errors():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])
+    assert [len(p) for p in split(model, 2, [1, 4])] == [1, 4]
+    with pytest.raises(PartitionError, match=r"covers 4 layers, but the model has 5"):
+        split(model, 2, [1, 3])
+    with pytest.raises(PartitionError, match=r"lists 3 stages, but stages=2"):
+        split(model, 2, [1, 2, 2])
+    with pytest.raises(PartitionError, match=r"int >= 1"):
+        split(model, 2, [0, 5])
+
+
+def test_more_stages_than_layers_is_a_clear_error():
+    with pytest.raises(PartitionError, match="cannot split 2 layers into 3 stages"):
+        split(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 3)
+
+
+def test_unsplittable_module_says_how_to_make_it_splittable():
+    with pytest.raises(PartitionError, match="pipeline_layers"):
+        split(nn.Linear(2, 2), 2)
+    with pytest.raises(PartitionError, match="layer 1 is a str"):
+        layers_of([nn.Linear(2, 2), "relu"])
+
+
+def test_gpt_splits_into_embedding_blocks_head():
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, d_model=16))
+    layers = layers_of(model)
+    assert len(layers) == 6 and layers[0] is model.embed and layers[-1] is model.head
+    idx = torch.randint(0, 32, (2, 8))
+    stages = [stage_module(model, 3, i) for i in range(3)]
+    x = idx
+    for s in stages:
+        x = s(x)
+    torch.testing.assert_close(x, model(idx), rtol=0, atol=0)
+    assert [s.first_layer for s in stages] == [0, len(stages[0]), len(stages[0]) + len(stages[1])]
+
+
+def test_stage_module_passes_tuples_on_as_arguments():
+    class Two(nn.Module):
+        def forward(self, x):
+            return x, x * 2
+
+    class Add(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    out = StageModule([Two(), Add()])(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0))
+
+
+def test_one_stage_runs_the_models_own_forward():
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=1, d_model=8))
+    assert stage_module(model, 1, 0) is model
+    with pytest.raises(PartitionError, match="stage index 2 is out of range of 2"):
+        stage_module(model, 2, 2)
