@@ -182,7 +182,8 @@ class Trainer:
             self.optimizer,
             LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
         )
-        self.steps_done = 0
+        self.steps_done = 0  # training steps
+        self._seq = 0  # training and evaluation steps: the step number messages carry
 
     # -- where this process sits ---------------------------------------------
 
@@ -219,24 +220,51 @@ class Trainer:
         into `microbatches`; or pass lists of per-microbatch inputs and targets, whose
         shapes may differ. Only stage 0 reads inputs and only the last stage targets.
         """
+        self._check_usable()
+        m = self.config.microbatches
+        mb_inputs = split_batch(inputs, m, "inputs")
+        mb_targets = split_batch(targets, m, "targets")
+        try:
+            loss = self.loop.run_step(self._seq, mb_inputs, mb_targets)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._seq += 1
+        self.steps_done += 1
+        return loss
+
+    def eval_step(self, inputs: Any = None, targets: Any = None) -> float:
+        """The mean loss of a batch without training on it (forward only, no gradients).
+
+        Takes the same inputs as `step`; the model is in eval mode meanwhile.
+        """
+        self._check_usable()
+        m = self.config.microbatches
+        mb_inputs = split_batch(inputs, m, "inputs")
+        mb_targets = split_batch(targets, m, "targets")
+        self.module.eval()
+        try:
+            loss = self.loop.run_eval(self._seq, mb_inputs, mb_targets)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self.module.train()
+        self._seq += 1
+        return loss
+
+    def _check_usable(self) -> None:
         if self._closed:
             raise MyelinError("this Trainer is closed")
         if self._failed is not None:
             raise MyelinError(
                 f"an earlier step failed and left the pipeline broken: {self._failed}"
             ) from self._failed
-        m = self.config.microbatches
-        mb_inputs = split_batch(inputs, m, "inputs")
-        mb_targets = split_batch(targets, m, "targets")
-        try:
-            loss = self.loop.run_step(self.steps_done, mb_inputs, mb_targets)
-        except BaseException as exc:
-            self._failed = exc
-            if not isinstance(exc, RemoteError):
-                self._abort(exc)
-            raise
-        self.steps_done += 1
-        return loss
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failed = exc
+        if not isinstance(exc, RemoteError):
+            self._abort(exc)
 
     def _abort(self, exc: BaseException) -> None:
         """Tell every other rank this one failed, so none waits for it until a timeout."""

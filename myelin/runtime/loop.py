@@ -129,6 +129,69 @@ class EventLoop:
             self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    def run_eval(
+        self,
+        step: int,
+        inputs: Sequence[tuple[torch.Tensor, ...]] | None,
+        targets: Sequence[Any] | None,
+    ) -> float:
+        """Forward every microbatch without gradients; the mean loss, on every rank.
+
+        `step` shares the numbering of training steps (the trainer counts both), so
+        messages of an evaluation never mix with those of a training step.
+        """
+        m = self.config.microbatches
+        stage = self.stage
+        ready = Ready(stage.index, stage.num_stages, m)
+        self._step, self._targets, self._inputs = step, targets, {}
+        self._arrived, self._eval_loss = set(), None
+        if stage.is_first:
+            self._inputs = {i: as_tuple(inputs[i]) for i in range(m)}
+            ready.forward = set(range(m))
+        early, self._early = self._early, []
+        self._handle(early, ready)
+        losses = []
+        last_progress = time.monotonic()
+        try:
+            while ready.forwards_done < m or (not stage.is_last and self._eval_loss is None):
+                self._flush_outbox()
+                if ready.forward:
+                    mb = min(ready.forward)
+                    ready.forward.discard(mb)
+                    out = stage.evaluate(
+                        self._inputs.pop(mb), targets[mb] if stage.is_last else None
+                    )
+                    ready.forwards_done += 1
+                    if stage.is_last:
+                        losses.append(out)
+                    else:
+                        self._send(stage.index + 1, "activation", mb, list(out), {})
+                    if self.transport is not None:
+                        self._handle(self.transport.poll(0), ready)
+                    last_progress = time.monotonic()
+                    continue
+                messages = self.transport.poll(self.config.poll_s)
+                if messages:
+                    self._handle(messages, ready)
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > self.config.timeout_s:
+                    raise DeadlineError(
+                        self._describe_wait(
+                            ready, time.monotonic() - last_progress, evaluating=True
+                        )
+                    )
+            if stage.is_last:
+                self._eval_loss = sum(losses) / m
+                meta = {"op": "eval_loss", "value": self._eval_loss}
+                for s in range(stage.num_stages - 1):
+                    msg = Message("control", self.world.rank, step, 0, s, [], meta)
+                    self.transport.send(self.world.peer(s), msg)
+            self._drain_sends()
+        except BaseException:
+            self._early.clear()
+            raise
+        return self._average_replicas(self._eval_loss, grads=False)
+
     def _drive(self, ready: Ready) -> None:
         last_progress = time.monotonic()
         while ready.backwards_done < ready.microbatches:
@@ -223,9 +286,9 @@ class EventLoop:
 
     def _handle(self, messages: list[Message], ready: Ready | None) -> None:
         for msg in messages:
-            if msg.kind == "control":
-                if msg.meta.get("op") == "abort":
-                    raise RemoteError(msg.src, str(msg.meta.get("error", "no detail")))
+            if msg.kind == "control" and msg.meta.get("op") == "abort":
+                raise RemoteError(msg.src, str(msg.meta.get("error", "no detail")))
+            if msg.kind == "control" and msg.meta.get("op") != "eval_loss":
                 self._reject(msg, f"unknown control op {msg.meta.get('op')!r}")
             elif msg.step > self._step or ready is None:
                 if len(self._early) >= 4 * self.config.microbatches:
@@ -240,6 +303,14 @@ class EventLoop:
 
     def _accept(self, msg: Message, ready: Ready) -> None:
         stage, mb = self.stage, msg.microbatch
+        if msg.kind == "control":
+            value = msg.meta.get("value")
+            if stage.is_last or msg.src != self.world.peer(stage.num_stages - 1):
+                return self._reject(msg, "evaluation loss from a rank that is not the last stage")
+            if not isinstance(value, float):
+                return self._reject(msg, f"evaluation loss {value!r} is not a float")
+            self._eval_loss = value
+            return None
         if msg.stage != stage.index:
             return self._reject(msg, f"addressed to stage {msg.stage}, this is stage {stage.index}")
         if not 0 <= mb < ready.microbatches:
@@ -287,11 +358,19 @@ class EventLoop:
             reason,
         )
 
-    def _describe_wait(self, ready: Ready, waited: float) -> str:
+    def _describe_wait(self, ready: Ready, waited: float, evaluating: bool = False) -> str:
         where = (
             f"rank {self.world.rank} (stage {self.stage.index}, replica {self.world.replica}) "
             f"waited {waited:.1f}s in step {self._step}"
         )
+        if evaluating:
+            if ready.forwards_done < ready.microbatches:
+                return (
+                    f"{where} (evaluation) for the activation of microbatch {ready.forwards_done} "
+                    f"from rank {self.world.peer(self.stage.index - 1)}"
+                )
+            last = self.world.peer(self.stage.num_stages - 1)
+            return f"{where} (evaluation) for the loss from rank {last}"
         action = self.policy.waiting_for(ready)
         if action is None:
             return f"{where} with nothing left to wait for ({ready})"
@@ -307,13 +386,14 @@ class EventLoop:
 
     # -- end of step -------------------------------------------------------------
 
-    def _average_replicas(self, loss: float) -> float:
+    def _average_replicas(self, loss: float, grads: bool = True) -> float:
         """All-reduce gradients (in buckets, asynchronously) and the loss across replicas."""
         group = self.world.dp_group
         if group is None:
             return loss
         replicas = self.world.layout.data_parallel
-        params = [p for p in self.stage.module.parameters() if p.requires_grad]
+        grad_params = grads and self.optimizer is not None
+        params = [p for p in self.stage.module.parameters() if p.requires_grad and grad_params]
         had_grad = [p.grad is not None for p in params]
         for p in params:
             if p.grad is None:

@@ -104,6 +104,8 @@ def encode(message: Message, place: Place | None = None) -> list[memoryview | by
     specs: list[dict[str, Any]] = []
     frames: list[memoryview | bytes] = []
     for i, t in enumerate(message.tensors):
+        if t.is_neg() or t.is_conj():
+            t = t.resolve_conj().resolve_neg()  # lazy sign bits are not in the bytes
         if not t.is_contiguous():
             t = t.contiguous()
         spec: dict[str, Any] = {
@@ -113,7 +115,7 @@ def encode(message: Message, place: Place | None = None) -> list[memoryview | by
         }
         loc = place(i, t) if place is not None else None
         if loc is not None:
-            spec["shm"] = list(loc)
+            spec["shm"] = [_check_int(f"tensors[{i}].shm", v) for v in loc]
         else:
             frames.append(tensor_frame(t))
         specs.append(spec)
@@ -155,7 +157,10 @@ def decode(
         if shm is not None:
             if fetch is None:
                 raise MessageError(f"tensors[{i}].shm", "shared memory is not enabled here")
-            tensors.append(fetch(header["src"], shm, dtype, shape, nbytes))
+            t = fetch(header["src"], shm, dtype, shape, nbytes)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise MessageError(f"tensors[{i}].shm", "shared memory returned the wrong tensor")
+            tensors.append(t)
             continue
         buf = _buffer(frames[next_frame])
         next_frame += 1
@@ -163,7 +168,10 @@ def decode(
             raise MessageError(
                 f"tensors[{i}].nbytes", f"header says {nbytes} bytes, frame has {buf.nbytes}"
             )
-        tensors.append(_tensor_from(buf, dtype, shape))
+        t = _tensor_from(buf, dtype, shape)
+        if dtype == torch.bool and t.numel() and int(t.view(torch.uint8).max()) > 1:
+            raise MessageError(f"tensors[{i}]", "bool tensor holds bytes other than 0 and 1")
+        tensors.append(t)
     return Message(
         kind=header["kind"],
         src=header["src"],
@@ -181,6 +189,8 @@ def _buffer(frame: Any) -> memoryview:
         view = memoryview(buf)
     except TypeError:
         raise MessageError("frames", f"frame of type {type(frame).__name__} is not bytes") from None
+    if not view.c_contiguous:
+        raise MessageError("frames", "frame buffer is not contiguous")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
@@ -214,6 +224,7 @@ def _unpack_header(buf: memoryview, limits: MessageLimits) -> dict[str, Any]:
         raise MessageError("header", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise MessageError("header", f"expected a map, got {type(header).__name__}")
+    _check_keys("header", header)
     unknown = sorted(set(header) - set(_HEADER_FIELDS))
     if unknown:
         raise MessageError(unknown[0], "unknown header field")
@@ -236,6 +247,12 @@ def _unpack_header(buf: memoryview, limits: MessageLimits) -> dict[str, Any]:
     return header
 
 
+def _check_keys(where: str, mapping: dict) -> None:
+    for key in mapping:
+        if type(key) is not str:
+            raise MessageError(where, f"map key {key!r} is not a string")
+
+
 def _reject_ext(code: int, data: bytes) -> Any:
     raise MessageError("header", f"msgpack extension type {code} is not allowed")
 
@@ -251,6 +268,8 @@ def _check_int(name: str, value: Any, low: int = 0) -> int:
 def _check_meta(path: str, value: Any, depth: int) -> None:
     if depth > _META_MAX_DEPTH:
         raise MessageError(path, f"nested deeper than {_META_MAX_DEPTH}")
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        raise MessageError(path, f"int {value} does not fit in 64 bits")
     if value is None or type(value) in (bool, int, float, str, bytes):
         return
     if isinstance(value, list):
@@ -281,6 +300,7 @@ def _check_tensor_specs(
         where = f"tensors[{i}]"
         if not isinstance(spec, dict):
             raise MessageError(where, f"expected a map, got {type(spec).__name__}")
+        _check_keys(where, spec)
         unknown = sorted(set(spec) - _TENSOR_FIELDS)
         if unknown:
             raise MessageError(f"{where}.{unknown[0]}", "unknown tensor field")
@@ -297,10 +317,13 @@ def _check_tensor_specs(
             raise MessageError(f"{where}.shape", f"expected a list, got {type(shape).__name__}")
         if len(shape) > limits.max_ndim:
             raise MessageError(f"{where}.shape", f"{len(shape)} dims exceeds {limits.max_ndim}")
-        numel = 1
+        numel, extent = 1, 1  # extent ignores zeros, so empty tensors cannot overflow either
         for d, size in enumerate(shape):
             _check_int(f"{where}.shape[{d}]", size)
             numel *= size
+            extent *= max(size, 1)
+            if extent > _INT_MAX:
+                raise MessageError(f"{where}.shape", f"{shape} has more than 2**63 elements")
         nbytes = _check_int(f"{where}.nbytes", spec["nbytes"])
         expected = numel * dtype.itemsize
         if nbytes != expected:
@@ -334,6 +357,7 @@ def _check_outgoing(message: Message) -> None:
         _check_int(name, getattr(message, name))
     if not isinstance(message.meta, dict):
         raise MessageError("meta", f"expected a dict, got {type(message.meta).__name__}")
+    _check_meta("meta", message.meta, 0)
     for i, t in enumerate(message.tensors):
         if not isinstance(t, torch.Tensor):
             raise MessageError(f"tensors[{i}]", f"expected a torch.Tensor, got {type(t).__name__}")
@@ -344,4 +368,8 @@ def _check_outgoing(message: Message) -> None:
         if t.device.type != "cpu":
             raise MessageError(
                 f"tensors[{i}].device", f"tensor is on {t.device}; copy it to host memory first"
+            )
+        if t.layout != torch.strided or t.is_mkldnn:
+            raise MessageError(
+                f"tensors[{i}].layout", f"{t.layout} tensors cannot be sent; use .to_dense()"
             )

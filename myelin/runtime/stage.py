@@ -81,6 +81,18 @@ class Stage:
         self._flights[mb] = _Flight(inputs, (loss.reshape(()) / divisor,), loss.detach())
         return ()
 
+    @torch.no_grad()
+    def evaluate(
+        self, inputs: tuple[torch.Tensor, ...], target: Any = None
+    ) -> tuple[torch.Tensor, ...] | float:
+        """Forward only, keeping nothing for backward: outputs, or the loss on the last stage."""
+        inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+        outputs = as_tuple(self.module(*inputs))
+        if not self.is_last:
+            return outputs
+        loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, _to(target, self.device))
+        return float(loss)
+
     def _receive(self, t: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             return t.to(self.device, non_blocking=True)

@@ -111,7 +111,10 @@ def reference(name, replicas, varied):
         opt.step()
         opt.zero_grad()
         losses.append(total / (MICROBATCHES * replicas))
-    return model, losses
+    with torch.no_grad():
+        pairs = [p for r in range(replicas) for p in pieces(*batch(name, STEPS, r, varied))]
+        eval_loss = sum(loss_fn(model(x), y).item() for x, y in pairs) / len(pairs)
+    return model, losses, eval_loss
 
 
 def run_case(case):
@@ -131,7 +134,10 @@ def run_case(case):
     )
     with trainer:
         losses = [trainer.step(*batch(name, s, trainer.replica, varied)) for s in range(STEPS)]
-        ref_model, ref_losses = reference(name, dp, varied)
+        eval_loss = trainer.eval_step(*batch(name, STEPS, trainer.replica, varied))
+        ref_model, ref_losses, ref_eval = reference(name, dp, varied)
+        losses.append(eval_loss)
+        ref_losses.append(ref_eval)
         mine = list(trainer.module.parameters())
         first = trainer.module.first_layer
         ref_layers = layers_of(ref_model)[first : first + len(trainer.module)]
