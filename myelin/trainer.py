@@ -19,6 +19,7 @@ from torch import nn
 
 from myelin.errors import ConfigError, MyelinError, RemoteError
 from myelin.partition import split, stage_module
+from myelin.profile.timeline import Timeline
 from myelin.runtime.group import (
     Layout,
     World,
@@ -103,6 +104,7 @@ class Trainer:
     optimizer: called with this stage's parameters, e.g. partial(torch.optim.AdamW, lr=1e-3).
     loss_fn: loss_fn(output, target) -> scalar tensor, applied on the last stage.
     device: this rank's device; default its local GPU, else the CPU.
+    profile: record a timeline of every operation, wait and send (`trainer.timeline`).
     Other keyword arguments are the fields of `PipelineConfig`.
     """
 
@@ -121,6 +123,7 @@ class Trainer:
         timeout: float = 300.0,
         transport: TransportConfig | None = None,
         device: str | torch.device | None = None,
+        profile: bool = False,
     ) -> None:
         self.config = PipelineConfig(
             stages=stages,
@@ -144,6 +147,7 @@ class Trainer:
         if cfg.stages > 1 or cfg.partition is not None:
             split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
         check_world_size(layout)
+        self._profile = bool(profile)
         self._closed = False
         self._failed: BaseException | None = None
         self.transport: Transport | None = None
@@ -182,6 +186,8 @@ class Trainer:
             self.optimizer,
             LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
         )
+        self.timeline = Timeline(world.rank, world.stage, enabled=self._profile)
+        self.loop.timeline = self.timeline
         self.steps_done = 0  # training steps
         self._seq = 0  # training and evaluation steps: the step number messages carry
 

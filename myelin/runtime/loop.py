@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from myelin.errors import ConfigError, DeadlineError, MyelinError, RemoteError
+from myelin.profile.timeline import Timeline
 from myelin.runtime.group import World
 from myelin.runtime.messages import Message
 from myelin.runtime.schedule import Action, Policy, Ready
@@ -71,6 +72,7 @@ class EventLoop:
         policy: Policy,
         optimizer: torch.optim.Optimizer | None,
         config: LoopConfig,
+        timeline: Timeline | None = None,
     ) -> None:
         self.stage = stage
         self.world = world
@@ -79,6 +81,7 @@ class EventLoop:
         self.optimizer = optimizer
         self.config = config
         self.stats = LoopStats()
+        self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         self._step = 0
         self._early: list[Message] = []
         self._outbox: list[tuple[Any, int, Message]] = []  # (copy event, dst, message)
@@ -125,8 +128,10 @@ class EventLoop:
         loss = sum(self._losses[i] for i in range(m)) / m
         loss = self._average_replicas(loss)
         if self.optimizer is not None:
+            start = self.timeline.now()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.timeline.add("optimizer", f"{stage.index}OPT", start, self.timeline.now(), step)
         return loss
 
     def run_eval(
@@ -158,8 +163,17 @@ class EventLoop:
                 if ready.forward:
                     mb = min(ready.forward)
                     ready.forward.discard(mb)
+                    start = self.timeline.now()
                     out = stage.evaluate(
                         self._inputs.pop(mb), targets[mb] if stage.is_last else None
+                    )
+                    self.timeline.add(
+                        "eval",
+                        f"{stage.index}F{mb}",
+                        start,
+                        self.timeline.now(),
+                        step,
+                        microbatch=mb,
                     )
                     ready.forwards_done += 1
                     if stage.is_last:
@@ -170,7 +184,7 @@ class EventLoop:
                         self._handle(self.transport.poll(0), ready)
                     last_progress = time.monotonic()
                     continue
-                messages = self.transport.poll(self.config.poll_s)
+                messages = self._wait(self.config.poll_s)
                 if messages:
                     self._handle(messages, ready)
                     last_progress = time.monotonic()
@@ -198,7 +212,17 @@ class EventLoop:
             self._flush_outbox()
             action = self.policy.pick(ready)
             if action is not None:
+                start = self.timeline.now()
                 self._run(action, ready)
+                kind = "forward" if action.kind == "F" else "backward"
+                self.timeline.add(
+                    kind,
+                    str(action),
+                    start,
+                    self.timeline.now(),
+                    self._step,
+                    microbatch=action.microbatch,
+                )
                 if self.transport is not None:
                     self._handle(self.transport.poll(0), ready)
                 last_progress = time.monotonic()
@@ -206,12 +230,33 @@ class EventLoop:
             if self.transport is None:
                 raise MyelinError(f"one-rank loop has nothing to run: {ready}")
             wait = self.config.poll_s if not self._outbox else 0.0005
-            messages = self.transport.poll(wait)
+            messages = self._wait(wait)
             if messages:
                 self._handle(messages, ready)
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 raise DeadlineError(self._describe_wait(ready, time.monotonic() - last_progress))
+
+    def _wait(self, timeout_s: float, cause: str = "bubble") -> list[Message]:
+        """Poll the inbox with nothing to run; the time is idle, recorded with its cause."""
+        start = self.timeline.now()
+        messages = self.transport.poll(timeout_s)
+        first = messages[0] if messages else None
+        name = f"{self.stage.index}WAIT"
+        if first is not None and first.kind != "control":
+            name = f"{self.stage.index}RECV_{'F' if first.kind == 'activation' else 'B'}"
+            name += str(first.microbatch)
+        self.timeline.add(
+            "wait",
+            name,
+            start,
+            self.timeline.now(),
+            self._step,
+            cause=cause,
+            peer=first.src if first is not None else None,
+            microbatch=first.microbatch if first is not None else None,
+        )
+        return messages
 
     def _run(self, action: Action, ready: Ready) -> None:
         mb = action.microbatch
@@ -246,7 +291,7 @@ class EventLoop:
         dst = self.world.peer(to_stage)
         if self._copy_stream is None:
             msg = Message(kind, self.world.rank, self._step, mb, to_stage, tensors, meta)
-            self.transport.send(dst, msg)
+            self._transmit(dst, msg)
             return
         # On a GPU the device-to-host copy runs on a side stream; the send leaves once
         # the copy's event fires, so the next operation's compute overlaps it.
@@ -263,10 +308,27 @@ class EventLoop:
         msg = Message(kind, self.world.rank, self._step, mb, to_stage, host, meta)
         self._outbox.append((event, dst, msg))
 
+    def _transmit(self, dst: int, msg: Message) -> None:
+        start = self.timeline.now()
+        self.transport.send(dst, msg)
+        if self.timeline.enabled:
+            op = "SEND_F" if msg.kind == "activation" else "SEND_B"
+            self.timeline.add(
+                "send",
+                f"{self.stage.index}{op}{msg.microbatch}",
+                start,
+                self.timeline.now(),
+                msg.step,
+                microbatch=msg.microbatch,
+                peer=dst,
+                track=f"peer {dst}",
+                nbytes=sum(t.numel() * t.element_size() for t in msg.tensors),
+            )
+
     def _flush_outbox(self) -> None:
         while self._outbox and self._outbox[0][0].query():
             _, dst, msg = self._outbox.pop(0)
-            self.transport.send(dst, msg)
+            self._transmit(dst, msg)
 
     def _drain_sends(self) -> None:
         """Wait until this step's messages have left, so none is stranded at the step's end."""
@@ -282,7 +344,7 @@ class EventLoop:
                     f"rank {self.world.rank} (stage {self.stage.index}): step {self._step}'s "
                     f"messages were not taken by their peers within {self.config.timeout_s:.0f}s"
                 )
-            self._handle(self.transport.poll(0.001), None)
+            self._handle(self._wait(0.001), None)
 
     def _handle(self, messages: list[Message], ready: Ready | None) -> None:
         for msg in messages:
@@ -398,6 +460,7 @@ class EventLoop:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        start = self.timeline.now()
         loss_t = torch.tensor([loss], dtype=torch.float64)
         works = [(dist.all_reduce(loss_t, group=group, async_op=True), None, None)]
         for bucket in _buckets([p.grad for p in params]):
@@ -415,6 +478,15 @@ class EventLoop:
         for p, had in zip(params, had_grad, strict=True):
             if not had and not p.grad.any():
                 p.grad = None  # unused everywhere: leave it to the optimizer to skip
+        self.timeline.add(
+            "allreduce",
+            f"{self.stage.index}ALLREDUCE",
+            start,
+            self.timeline.now(),
+            self._step,
+            cause="collective_wait",
+            track="collective",
+        )
         return float(loss_t.item()) / replicas
 
 

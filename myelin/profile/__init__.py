@@ -1,0 +1,1 @@
+"""Where the time went: per-rank timelines, idle causes, traces and pictures."""
