@@ -1,0 +1,37 @@
+"""The examples a user copies run as their first line says, and learn."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_quickstart_trains_with_two_stages_and_two_replicas(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "myelin.cli",
+        "run",
+        "-n",
+        "4",
+        str(EXAMPLES / "quickstart.py"),
+        "--data-parallel",
+        "2",
+        "--steps",
+        "10",
+    ]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
+    assert len(losses) >= 3 and losses[-1] < losses[0], res.stdout
