@@ -10,6 +10,7 @@ Every rank runs the same script (SPMD); each keeps only its own stage of the mod
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from myelin import checkpoint
 from myelin.errors import ConfigError, MyelinError, RemoteError
 from myelin.partition import split, stage_module
 from myelin.profile.timeline import Timeline
@@ -105,6 +107,7 @@ class Trainer:
     loss_fn: loss_fn(output, target) -> scalar tensor, applied on the last stage.
     device: this rank's device; default its local GPU, else the CPU.
     profile: record a timeline of every operation, wait and send (`trainer.timeline`).
+    resume: a checkpoint directory written by `save`; training continues from it.
     Other keyword arguments are the fields of `PipelineConfig`.
     """
 
@@ -124,6 +127,7 @@ class Trainer:
         transport: TransportConfig | None = None,
         device: str | torch.device | None = None,
         profile: bool = False,
+        resume: str | os.PathLike | None = None,
     ) -> None:
         self.config = PipelineConfig(
             stages=stages,
@@ -154,6 +158,7 @@ class Trainer:
         self.world: World = init_world(layout, pick_device(device), cfg.timeout)
         try:
             self._build(model, optimizer, loss_fn)
+            self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
         except BaseException:
             self.close()
             raise
@@ -258,6 +263,20 @@ class Trainer:
             self.module.train()
         self._seq += 1
         return loss
+
+    def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
+        """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.
+
+        `extra` is plain data to keep with this rank's shard (a data position, say);
+        `load` returns it. See `myelin.checkpoint` for the layout and guarantees.
+        """
+        self._check_usable()
+        checkpoint.save(self, path, extra)
+
+    def load(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Restore the newest complete checkpoint under `path`; returns this rank's extra."""
+        self._check_usable()
+        return checkpoint.load(self, path)
 
     def _check_usable(self) -> None:
         if self._closed:

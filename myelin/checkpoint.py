@@ -1,0 +1,210 @@
+"""Sharded checkpoints that are either complete or ignored.
+
+Layout of a checkpoint directory `path`:
+
+    path/latest                    the name of the newest complete version ("step-00000120")
+    path/step-00000120/rank0.pt    one shard per rank: its stage's parameters, optimizer
+    path/step-00000120/rank1.pt    state, RNG state, step counters and the user's extra data
+    path/step-00000120/manifest.json   written last, by rank 0, after a barrier
+
+Every file is written to a temporary name, fsynced and renamed, and `latest` moves only
+after the manifest is down, so a rank killed mid-save leaves the previous version
+loadable. The manifest holds each shard's SHA-256 and what each stage holds (parameter
+names and shapes), so a corrupt shard or a model that does not match is named on load.
+Shards hold tensors and plain data only: `torch.load(weights_only=True)` reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.errors import MyelinError
+
+if TYPE_CHECKING:
+    from myelin.trainer import Trainer
+
+__all__ = ["CheckpointError", "save", "load", "latest_version"]
+
+FORMAT = 1
+_KEEP = 2  # complete versions kept; older ones are removed after a successful save
+
+
+class CheckpointError(MyelinError):
+    """A checkpoint is missing, incomplete, corrupt, or does not match the model."""
+
+
+def save(trainer: Trainer, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write this rank's shard, then (rank 0) the manifest; every rank must call it."""
+    root = Path(path)
+    version = f"step-{trainer.steps_done:08d}"
+    vdir = root / version
+    vdir.mkdir(parents=True, exist_ok=True)
+    shard = {
+        "format": FORMAT,
+        "rank": trainer.rank,
+        "stage": trainer.stage,
+        "replica": trainer.replica,
+        "steps_done": trainer.steps_done,
+        "seq": trainer._seq,
+        "model": trainer.module.state_dict(),
+        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
+        "rng": _rng_state(),
+        "extra": extra or {},
+    }
+    shard_file = vdir / f"rank{trainer.rank}.pt"
+    _atomic_write(shard_file, lambda f: torch.save(shard, f))
+    _barrier(trainer)
+    if trainer.rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "steps_done": trainer.steps_done,
+            "stages": trainer.config.stages,
+            "data_parallel": trainer.config.data_parallel,
+            "shards": {},
+        }
+        for r in range(trainer.world_size):
+            f = vdir / f"rank{r}.pt"
+            if not f.exists():
+                raise CheckpointError(f"rank {r} did not write its shard {f}")
+            manifest["shards"][str(r)] = {"file": f.name, "sha256": _sha256(f)}
+        text = json.dumps(manifest, indent=1).encode()
+        _atomic_write(vdir / "manifest.json", lambda f: f.write(text))
+        _atomic_write(root / "latest", lambda f: f.write(version.encode()))
+        _prune(root, keep=version)
+    _barrier(trainer)
+    return vdir
+
+
+def load(trainer: Trainer, path: str | os.PathLike) -> dict[str, Any]:
+    """Restore this rank's stage, optimizer, RNG and step counters; returns the extra data."""
+    vdir = latest_version(path)
+    manifest = _read_manifest(vdir)
+    if manifest["stages"] != trainer.config.stages:
+        raise CheckpointError(
+            f"{vdir} was saved with stages={manifest['stages']}, this trainer has "
+            f"stages={trainer.config.stages}"
+        )
+    rank = trainer.rank if str(trainer.rank) in manifest["shards"] else trainer.stage
+    entry = manifest["shards"].get(str(rank))
+    if entry is None:
+        raise CheckpointError(f"{vdir}/manifest.json lists no shard for rank {rank}")
+    shard_file = vdir / entry["file"]
+    if not shard_file.exists():
+        raise CheckpointError(f"shard {shard_file} is missing")
+    digest = _sha256(shard_file)
+    if digest != entry["sha256"]:
+        raise CheckpointError(
+            f"shard {shard_file} is corrupt or truncated: its SHA-256 is {digest[:16]}..., "
+            f"the manifest says {entry['sha256'][:16]}..."
+        )
+    shard = torch.load(shard_file, map_location="cpu", weights_only=True)
+    _check_model(trainer, shard["model"], shard_file)
+    trainer.module.load_state_dict(shard["model"])
+    if trainer.optimizer is not None and shard["optimizer"] is not None:
+        trainer.optimizer.load_state_dict(shard["optimizer"])
+    _set_rng_state(shard["rng"])
+    trainer.steps_done = shard["steps_done"]
+    trainer._seq = shard["seq"]
+    return shard["extra"]
+
+
+def latest_version(path: str | os.PathLike) -> Path:
+    """The newest complete version directory under `path` (or `path` itself if it is one)."""
+    root = Path(path)
+    if (root / "manifest.json").exists():
+        return root
+    pointer = root / "latest"
+    if not pointer.exists():
+        raise CheckpointError(f"no complete checkpoint at {root} (no 'latest' file)")
+    vdir = root / pointer.read_text().strip()
+    if not (vdir / "manifest.json").exists():
+        raise CheckpointError(f"{pointer} names {vdir.name}, which has no manifest.json")
+    return vdir
+
+
+def _check_model(trainer: Trainer, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Raise naming every parameter that is missing, unexpected or of another shape."""
+    mine = trainer.module.state_dict()
+    problems = []
+    for name in sorted(set(mine) - set(state)):
+        problems.append(f"missing from the checkpoint: {name} {tuple(mine[name].shape)}")
+    for name in sorted(set(state) - set(mine)):
+        problems.append(f"not in this model: {name} {tuple(state[name].shape)}")
+    for name in sorted(set(mine) & set(state)):
+        if tuple(mine[name].shape) != tuple(state[name].shape):
+            problems.append(
+                f"{name}: checkpoint has shape {tuple(state[name].shape)}, "
+                f"model has {tuple(mine[name].shape)}"
+            )
+    if problems:
+        raise CheckpointError(
+            f"{where} does not match stage {trainer.stage} of this model:\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
+
+
+def _read_manifest(vdir: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((vdir / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{vdir}/manifest.json is unreadable: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{vdir}/manifest.json has format {manifest.get('format')!r}, expected {FORMAT}"
+        )
+    return manifest
+
+
+def _atomic_write(target: Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _prune(root: Path, keep: str) -> None:
+    versions = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != keep)
+    for old in versions[: max(0, len(versions) - (_KEEP - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _barrier(trainer: Trainer) -> None:
+    if trainer.world_size > 1:
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,104 @@
+"""Checkpoints: resume gives the same next losses; damage and mismatches are named."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from myelin import Trainer
+from myelin.checkpoint import CheckpointError, latest_version
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+
+
+def model(width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.Dropout(0.2), nn.Tanh(), nn.Linear(width, 4))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train(trainer, steps):
+    return [trainer.step(*batch(trainer.steps_done)) for _ in range(steps)]
+
+
+def test_resume_continues_with_the_same_losses(tmp_path):
+    with Trainer(model(), ADAMW, F.cross_entropy, microbatches=2) as trainer:
+        train(trainer, 3)
+        trainer.save(tmp_path / "ckpt", extra={"epoch": 1, "position": 24})
+        expected = train(trainer, 3)  # dropout draws from the RNG, which is restored too
+    with Trainer(
+        model(), ADAMW, F.cross_entropy, microbatches=2, resume=tmp_path / "ckpt"
+    ) as again:
+        assert again.steps_done == 3 and again.resumed_extra == {"epoch": 1, "position": 24}
+        assert train(again, 3) == expected
+
+
+def test_shards_load_with_weights_only_and_old_versions_are_pruned(tmp_path):
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        for _ in range(3):
+            train(trainer, 1)
+            trainer.save(tmp_path)
+    versions = sorted(p.name for p in tmp_path.glob("step-*"))
+    assert versions == ["step-00000002", "step-00000003"]
+    shard = torch.load(latest_version(tmp_path) / "rank0.pt", weights_only=True)
+    assert shard["steps_done"] == 3 and "0.weight" in shard["model"]
+
+
+def test_a_save_killed_before_its_manifest_leaves_the_previous_one(tmp_path):
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        train(trainer, 1)
+        trainer.save(tmp_path)
+        train(trainer, 1)
+        trainer.save(tmp_path)
+    # simulate a kill after the shard of step 2 but before its manifest and pointer
+    (tmp_path / "step-00000002" / "manifest.json").unlink()
+    (tmp_path / "latest").write_text("step-00000001")
+    with Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path) as again:
+        assert again.steps_done == 1
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        train(trainer, 1)
+        trainer.save(tmp_path)
+    shard = latest_version(tmp_path) / "rank0.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank0.pt is corrupt or truncated"):
+        Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path)
+
+
+def test_mismatched_model_says_what_differs(tmp_path):
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        trainer.save(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        Trainer(model(width=32), ADAMW, F.cross_entropy, resume=tmp_path)
+    assert "0.weight: checkpoint has shape (16, 8), model has (32, 8)" in str(info.value)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path / "nothing")
+
+
+def test_two_stage_pipeline_resumes_with_the_same_losses(tmp_path):
+    from tests._procs import launch
+
+    job = launch(2, "checkpointing.py", [str(tmp_path / "ckpt")], tmp_path, timeout=120)
+    assert job.returncode == 0, job.output[-3000:]
+    for rank in (0, 1):
+        assert job.results[rank]["resumed"] == job.results[rank]["expected"]
+    assert sorted(p.name for p in latest_version(tmp_path / "ckpt").iterdir()) == [
+        "manifest.json",
+        "rank0.pt",
+        "rank1.pt",
+    ]
