@@ -8,7 +8,8 @@ from myelin.errors import (
     PartitionError,
     RemoteError,
 )
-from myelin.partition import StageModule, balance, split
+from myelin.init import init_empty, init_layers
+from myelin.partition import StageModule, balance, layers_of, split
 from myelin.runtime.messages import Message, MessageLimits
 from myelin.runtime.schedule import SCHEDULES, Action
 from myelin.runtime.transport import TransportConfig
@@ -32,6 +33,9 @@ __all__ = [
     "Trainer",
     "TransportConfig",
     "balance",
+    "init_empty",
+    "init_layers",
+    "layers_of",
     "split",
     "__version__",
 ]

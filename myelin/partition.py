@@ -1,9 +1,11 @@
 """Split a model into contiguous pipeline stages.
 
-A model is a sequence of layers: an `nn.Sequential`, a list of modules, or any
+A model is a sequence of layers: an `nn.Sequential`, a list of modules, any
 module with a `pipeline_layers()` method returning such a list (as
-`myelin.models.GPT` does). Stages are balanced by parameter count (each layer
-counts at least one, so parameter-free layers spread too), or follow an explicit
+`myelin.models.GPT` does), or a HuggingFace `GPT2LMHeadModel` (adapted here as
+[embeddings, blocks..., final norm + LM head], its tied embedding kept tied).
+Stages are balanced by parameter count (each layer counts at least one, so
+parameter-free layers spread too), or follow an explicit layer count per stage,
 `partition=[layers of stage 0, layers of stage 1, ...]`.
 """
 
@@ -11,11 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from myelin.errors import PartitionError
 
-__all__ = ["StageModule", "layers_of", "balance", "split", "stage_module"]
+__all__ = [
+    "StageModule",
+    "layers_of",
+    "balance",
+    "split",
+    "stage_module",
+    "tied_parameters",
+    "cross_stage_ties",
+]
 
 
 class StageModule(nn.Sequential):
@@ -43,6 +54,8 @@ def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
         layers = list(model)
     elif hasattr(model, "pipeline_layers"):
         layers = list(model.pipeline_layers())
+    elif _is_hf_gpt2(model):
+        layers = _hf_gpt2_layers(model)
     else:
         raise PartitionError(
             f"cannot split a {type(model).__name__} into stages: pass an nn.Sequential, a list "
@@ -122,3 +135,90 @@ def stage_module(
 
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def tied_parameters(layers: Sequence[nn.Module]) -> dict[int, list[int]]:
+    """Parameters shared by several layers: id(parameter) -> the layers holding it."""
+    owners: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        for p in {id(p) for p in layer.parameters()}:
+            owners.setdefault(p, []).append(i)
+    return {p: ls for p, ls in owners.items() if len(ls) > 1}
+
+
+def cross_stage_ties(
+    model: nn.Module | Sequence[nn.Module], stages: int, partition: Sequence[int] | None = None
+) -> dict[tuple[int, ...], set[int]]:
+    """Parameters held by more than one stage (GPT-2's embedding and LM head):
+    the stages sharing them -> the ids of the shared parameters."""
+    groups = split(model, stages, partition)
+    stage_of = [s for s, g in enumerate(groups) for _ in g]
+    ties: dict[tuple[int, ...], set[int]] = {}
+    for pid, layers in tied_parameters([layer for g in groups for layer in g]).items():
+        owners = tuple(sorted({stage_of[i] for i in layers}))
+        if len(owners) > 1:
+            ties.setdefault(owners, set()).add(pid)
+    return ties
+
+
+# -- HuggingFace GPT-2 ---------------------------------------------------------------
+
+
+def _is_hf_gpt2(model: object) -> bool:
+    t = getattr(model, "transformer", None)
+    return (
+        type(model).__name__ == "GPT2LMHeadModel"
+        and all(hasattr(t, a) for a in ("wte", "wpe", "drop", "h", "ln_f"))
+        and hasattr(model, "lm_head")
+    )
+
+
+def _hf_gpt2_layers(model: nn.Module) -> list[nn.Module]:
+    t = model.transformer
+    impl = getattr(model.config, "_attn_implementation", "eager")
+    return [
+        _GPT2Embedding(t),
+        *(_GPT2Block(b, impl) for b in t.h),
+        _GPT2Head(t.ln_f, model.lm_head),
+    ]
+
+
+class _GPT2Embedding(nn.Module):
+    """GPT-2's token and position embeddings: input_ids (B, T) -> hidden (B, T, C)."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(pos))
+
+
+class _GPT2Block(nn.Module):
+    """One GPT-2 block, causal; hidden (B, T, C) -> hidden (B, T, C)."""
+
+    def __init__(self, block: nn.Module, attn_implementation: str) -> None:
+        super().__init__()
+        self.block = block
+        self.sdpa = attn_implementation == "sdpa"  # sdpa is causal when given no mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if not self.sdpa:
+            T = x.shape[1]
+            mask = torch.full((T, T), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype)
+            mask = mask.triu(1)[None, None]
+        out = self.block(x, attention_mask=mask)
+        return out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+
+
+class _GPT2Head(nn.Module):
+    """Final layer norm and the LM head (whose weight is the token embedding's)."""
+
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))

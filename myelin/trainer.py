@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from myelin import checkpoint
-from myelin.errors import ConfigError, MyelinError, RemoteError
-from myelin.partition import split, stage_module
+from myelin.errors import ConfigError, MyelinError, PartitionError, RemoteError
+from myelin.init import is_meta, materialize
+from myelin.partition import StageModule, cross_stage_ties, layers_of, split, stage_module
 from myelin.profile.timeline import Timeline
 from myelin.runtime.group import (
     Layout,
@@ -28,6 +30,7 @@ from myelin.runtime.group import (
     check_world_size,
     close_world,
     init_world,
+    new_groups,
     pick_device,
 )
 from myelin.runtime.loop import EventLoop, LoopConfig
@@ -165,7 +168,7 @@ class Trainer:
 
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
         cfg, world = self.config, self.world
-        self.module = stage_module(model, cfg.stages, world.stage, cfg.partition).to(world.device)
+        self.module, tied = self._place_stage(model)
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = optimizer(params) if params else None
         if world.layout.world_size > 1:
@@ -190,11 +193,41 @@ class Trainer:
             make_policy(cfg.schedule, cfg.inflight),
             self.optimizer,
             LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
+            tied=tied,
         )
         self.timeline = Timeline(world.rank, world.stage, enabled=self._profile)
         self.loop.timeline = self.timeline
         self.steps_done = 0  # training steps
         self._seq = 0  # training and evaluation steps: the step number messages carry
+
+    def _place_stage(self, model: Any) -> tuple[nn.Module, list[tuple[Any, list[nn.Parameter]]]]:
+        """This rank's stage on its device, materialised if built under `init_empty`, with
+        the process groups that keep parameters shared across stages equal."""
+        cfg, world = self.config, self.world
+        module = stage_module(model, cfg.stages, world.stage, cfg.partition)
+        ties = cross_stage_ties(model, cfg.stages, cfg.partition) if cfg.stages > 1 else {}
+        names = {
+            stages: [n for n, p in module.named_parameters() if id(p) in ids]
+            for stages, ids in ties.items()
+            if world.stage in stages
+        }
+        groups = new_groups(world, list(ties))
+        materialized = is_meta(module)
+        if materialized:
+            if isinstance(module, StageModule):
+                materialize(module, model, list(module), module.first_layer)
+            else:
+                materialize(module, model, _layers_or_whole(model), 0)
+        module = module.to(world.device)
+        tied = []
+        for stages, group in groups.items():
+            params = [module.get_parameter(n) for n in names[stages]]
+            if materialized:  # each owner initialised its copy: take the first stage's
+                src = world.layout.rank_of(stages[0], world.replica)
+                for p in params:
+                    dist.broadcast(p.data, src, group=group)
+            tied.append((group, params))
+        return module, tied
 
     # -- where this process sits ---------------------------------------------
 
@@ -317,6 +350,13 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _layers_or_whole(model: Any) -> list[nn.Module]:
+    try:
+        return layers_of(model)
+    except PartitionError:
+        return [model]
 
 
 def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:

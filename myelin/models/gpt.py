@@ -31,6 +31,7 @@ class GPTConfig:
     d_model: int = 256
     dropout: float = 0.0
     bias: bool = True
+    seed: int = 0  # layer i is initialised from seed + i, whichever rank builds it
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
@@ -122,7 +123,7 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    """Embedding, `n_layer` blocks, head; initialised as GPT-2 is."""
+    """Embedding, `n_layer` blocks, head; initialised as GPT-2 is, layer by layer."""
 
     def __init__(self, cfg: GPTConfig | None = None) -> None:
         super().__init__()
@@ -130,19 +131,24 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # scaled init of residual projections
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.embed.wte.weight.is_meta:  # under myelin.init_empty() nothing to fill
+            for i, layer in enumerate(self.pipeline_layers()):
+                self.init_layer(i, layer)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_layer(self, index: int, layer: nn.Module) -> None:
+        """Initialise pipeline layer `index` from its own seed, so that any rank holding it
+        (or a meta-device model materialised stage by stage) gets the same weights."""
+        g = torch.Generator().manual_seed(self.config.seed + index)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        with torch.no_grad():
+            for name, module in layer.named_modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    std = residual_std if name.endswith("proj") else 0.02
+                    module.weight.normal_(0.0, std, generator=g)
+                if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+                    module.bias.zero_()
+                if isinstance(module, nn.LayerNorm):
+                    module.weight.fill_(1.0)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The model as layers in order, for splitting into pipeline stages."""

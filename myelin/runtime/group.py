@@ -149,6 +149,22 @@ def init_world(layout: Layout, device: torch.device, timeout_s: float) -> World:
     return world
 
 
+def new_groups(world: World, stage_sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
+    """One process group per set of stages in each replica; this rank's, by stage set.
+
+    Every rank creates every group, in the same order, as torch.distributed requires.
+    """
+    mine = {}
+    for stages in sorted(stage_sets):
+        for replica in range(world.layout.data_parallel):
+            ranks = [world.layout.rank_of(s, replica) for s in stages]
+            group = dist.new_group(ranks)
+            world.extra_groups.append(group)
+            if world.rank in ranks:
+                mine[stages] = group
+    return mine
+
+
 def _all_same_host(store: Any, rank: int, world_size: int, timeout_s: float) -> bool:
     """Whether every rank runs on this host (then ipc:// and shared memory are usable)."""
     me = socket.gethostname()

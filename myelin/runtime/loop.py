@@ -73,6 +73,7 @@ class EventLoop:
         optimizer: torch.optim.Optimizer | None,
         config: LoopConfig,
         timeline: Timeline | None = None,
+        tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None,
     ) -> None:
         self.stage = stage
         self.world = world
@@ -81,6 +82,7 @@ class EventLoop:
         self.optimizer = optimizer
         self.config = config
         self.stats = LoopStats()
+        self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         self._step = 0
         self._early: list[Message] = []
@@ -126,6 +128,7 @@ class EventLoop:
             stage.clear()
             raise
         loss = sum(self._losses[i] for i in range(m)) / m
+        self._sum_tied()
         loss = self._average_replicas(loss)
         if self.optimizer is not None:
             start = self.timeline.now()
@@ -447,6 +450,28 @@ class EventLoop:
         )
 
     # -- end of step -------------------------------------------------------------
+
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters that several stages hold (a tied embedding),
+        so each holder applies the same update and the copies stay equal."""
+        for group, params in self.tied:
+            start = self.timeline.now()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            self.timeline.add(
+                "allreduce",
+                f"{self.stage.index}TIED",
+                start,
+                self.timeline.now(),
+                self._step,
+                cause="collective_wait",
+                track="collective",
+            )
 
     def _average_replicas(self, loss: float, grads: bool = True) -> float:
         """All-reduce gradients (in buckets, asynchronously) and the loss across replicas."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests._procs import launch
 
 TOL = 1e-5
@@ -72,4 +74,15 @@ def test_four_processes_match_single_process(tmp_path):
 def test_runs_unchanged_under_torchrun(tmp_path):
     cases = ["gpt:2:1:message-driven:ipc:varied"]
     job = launch(2, "equivalence.py", cases, tmp_path, launcher="torchrun")
+    _check(job, cases, 2)
+
+
+def test_hf_gpt2_with_tied_embedding_and_meta_init_matches_single_process(tmp_path):
+    pytest.importorskip("transformers")
+    cases = [
+        "hf:2:1:message-driven:ipc:fixed",
+        "hf:2:1:1f1b:tcp:varied:meta",
+        "gpt:2:1:gpipe:ipc:fixed:meta",
+    ]
+    job = launch(2, "equivalence.py", cases, tmp_path, timeout=180)
     _check(job, cases, 2)

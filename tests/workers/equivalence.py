@@ -1,8 +1,10 @@
 """Train cases with myelin and with one process doing gradient accumulation; record both.
 
 Run by tests/runtime/test_pipeline.py as `myelin run -n N equivalence.py --out DIR CASE...`,
-where CASE is model:stages:data_parallel:schedule:transport:lengths, e.g.
-`gpt:2:1:1f1b:tcp:varied`. Every case must use all N processes.
+where CASE is model:stages:data_parallel:schedule:transport:lengths[:init], e.g.
+`gpt:2:1:1f1b:tcp:varied` or `hf:2:1:message-driven:ipc:fixed:meta` (built under
+myelin.init_empty(); the reference is the eager model given myelin.init_layers).
+Every case must use all N processes.
 """
 
 import argparse
@@ -56,6 +58,22 @@ class Merge(torch.nn.Module):
 
 def build(name):
     torch.manual_seed(0)
+    if name == "hf":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=64,
+            n_positions=32,
+            n_embd=32,
+            n_layer=3,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return GPT2LMHeadModel(cfg), lm_loss
     if name == "multi":
         return myelin.StageModule([Fan(), Gated(), Gated(), Merge()]), F.cross_entropy
     if name == "mlp":
@@ -97,15 +115,22 @@ def pieces(x, y):
     return list(zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)))
 
 
-def reference(name, replicas, varied):
+def logits(model, x):
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def reference(name, replicas, varied, init):
     model, loss_fn = build(name)
+    if init == "meta":
+        myelin.init_layers(model, layers_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         total = 0.0
         for r in range(replicas):
             for xi, yi in pieces(*batch(name, step, r, varied)):
-                loss = loss_fn(model(xi), yi)
+                loss = loss_fn(logits(model, xi), yi)
                 (loss / (MICROBATCHES * replicas)).backward()
                 total += loss.item()
         opt.step()
@@ -113,14 +138,19 @@ def reference(name, replicas, varied):
         losses.append(total / (MICROBATCHES * replicas))
     with torch.no_grad():
         pairs = [p for r in range(replicas) for p in pieces(*batch(name, STEPS, r, varied))]
-        eval_loss = sum(loss_fn(model(x), y).item() for x, y in pairs) / len(pairs)
+        eval_loss = sum(loss_fn(logits(model, x), y).item() for x, y in pairs) / len(pairs)
     return model, losses, eval_loss
 
 
 def run_case(case):
-    name, stages, dp, schedule, kind, lengths = case.split(":")
+    name, stages, dp, schedule, kind, lengths, *init = case.split(":")
     stages, dp, varied = int(stages), int(dp), lengths == "varied"
-    model, loss_fn = build(name)
+    init = init[0] if init else "eager"
+    if init == "meta":
+        with myelin.init_empty():
+            model, loss_fn = build(name)
+    else:
+        model, loss_fn = build(name)
     trainer = myelin.Trainer(
         model,
         optimizer=functools.partial(torch.optim.AdamW, lr=LR),
@@ -135,7 +165,7 @@ def run_case(case):
     with trainer:
         losses = [trainer.step(*batch(name, s, trainer.replica, varied)) for s in range(STEPS)]
         eval_loss = trainer.eval_step(*batch(name, STEPS, trainer.replica, varied))
-        ref_model, ref_losses, ref_eval = reference(name, dp, varied)
+        ref_model, ref_losses, ref_eval = reference(name, dp, varied, init)
         losses.append(eval_loss)
         ref_losses.append(ref_eval)
         mine = list(trainer.module.parameters())
