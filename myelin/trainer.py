@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from myelin import checkpoint
+from myelin import fit as fit_loop
 from myelin.errors import ConfigError, MyelinError, PartitionError, RemoteError
 from myelin.init import is_meta, materialize
 from myelin.partition import StageModule, cross_stage_ties, layers_of, split, stage_module
@@ -296,6 +297,15 @@ class Trainer:
             self.module.train()
         self._seq += 1
         return loss
+
+    def fit(self, loader: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """Train over a loader of (inputs, targets) with a progress bar; see `myelin.fit.fit`
+        for steps, epochs, eval_loader, eval_every, log_every and callbacks."""
+        return fit_loop.fit(self, loader, **kwargs)
+
+    def evaluate(self, loader: Any, max_batches: int | None = None) -> float:
+        """Mean loss over a loader's batches, forward only."""
+        return fit_loop.evaluate(self, loader, max_batches)
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.

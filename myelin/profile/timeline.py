@@ -56,13 +56,16 @@ class Timeline:
         self.origin = time.perf_counter()
         self.wall_origin = time.time()  # to line ranks up in one trace
         self.spans: list[Span] = []
+        self.busy_s = 0.0  # compute seconds so far, counted even when recording is off
 
     def now(self) -> float:
         """Seconds since this timeline's origin."""
         return time.perf_counter() - self.origin
 
     def add(self, kind: str, name: str, start: float, end: float, step: int, **fields: Any) -> None:
-        """Record a span (no-op when disabled); `track` defaults to the kind's group."""
+        """Record a span (only counted when disabled); `track` defaults to the kind's group."""
+        if KINDS[kind] == "compute":
+            self.busy_s += end - start
         if not self.enabled:
             return
         track = fields.pop("track", None) or KINDS[kind]
