@@ -31,7 +31,7 @@ from myelin.errors import MyelinError
 if TYPE_CHECKING:
     from myelin.trainer import Trainer
 
-__all__ = ["CheckpointError", "save", "load", "latest_version"]
+__all__ = ["CheckpointError", "save", "load", "latest_version", "state_layout", "gather"]
 
 FORMAT = 1
 _KEEP = 2  # complete versions kept; older ones are removed after a successful save
@@ -128,6 +128,53 @@ def latest_version(path: str | os.PathLike) -> Path:
     if not (vdir / "manifest.json").exists():
         raise CheckpointError(f"{pointer} names {vdir.name}, which has no manifest.json")
     return vdir
+
+
+def state_layout(model: Any, stage_modules: list[torch.nn.Module]) -> list[list[tuple]]:
+    """Per stage, its state_dict entries as (local key, full-model keys, shape, dtype).
+
+    Computed on every rank from the model it was given (eager or meta), so rank 0 can
+    allocate what the other stages send without asking them.
+    """
+    full: dict[int, list[str]] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        full.setdefault(id(t), []).append(key)
+    layout, seen = [], set()
+    for module in stage_modules:
+        entries = []
+        for key, t in module.state_dict(keep_vars=True).items():
+            names = [n for n in full.get(id(t), [key]) if n not in seen]
+            seen.update(names)
+            entries.append((key, names, tuple(t.shape), t.dtype))
+        layout.append(entries)
+    return layout
+
+
+def gather(trainer: Trainer, layout: list[list[tuple]]) -> dict[str, torch.Tensor] | None:
+    """The whole model's state_dict on rank 0 (None elsewhere), sent tensor by tensor from
+    replica 0's stages with torch.distributed point-to-point; nothing is pickled."""
+    mine = trainer.module.state_dict()
+    if trainer.replica != 0 and trainer.rank != 0:
+        return None
+    if trainer.rank != 0:
+        for key, names, _, _ in layout[trainer.stage]:
+            if names:
+                dist.send(mine[key].detach().cpu().contiguous(), dst=0)
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for stage, entries in enumerate(layout):
+        src = trainer.world.layout.rank_of(stage, 0)
+        for key, names, shape, dtype in entries:
+            if not names:
+                continue  # a tied parameter, already taken from the stage that holds it first
+            if src == 0:
+                t = mine[key].detach().cpu().clone()
+            else:
+                t = torch.empty(shape, dtype=dtype)
+                dist.recv(t, src=src)
+            for name in names:
+                out[name] = t
+    return out
 
 
 def _check_model(trainer: Trainer, state: dict[str, torch.Tensor], where: Path) -> None:

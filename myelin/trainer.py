@@ -206,6 +206,8 @@ class Trainer:
         the process groups that keep parameters shared across stages equal."""
         cfg, world = self.config, self.world
         module = stage_module(model, cfg.stages, world.stage, cfg.partition)
+        stages = [stage_module(model, cfg.stages, s, cfg.partition) for s in range(cfg.stages)]
+        self._state_layout = checkpoint.state_layout(model, stages)
         ties = cross_stage_ties(model, cfg.stages, cfg.partition) if cfg.stages > 1 else {}
         names = {
             stages: [n for n, p in module.named_parameters() if id(p) in ids]
@@ -306,6 +308,13 @@ class Trainer:
     def evaluate(self, loader: Any, max_batches: int | None = None) -> float:
         """Mean loss over a loader's batches, forward only."""
         return fit_loop.evaluate(self, loader, max_batches)
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state_dict, under the original model's keys, on rank 0 (None on
+        other ranks); every rank must call it. Load it into a plain PyTorch model to leave
+        myelin."""
+        self._check_usable()
+        return checkpoint.gather(self, self._state_layout)
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.

@@ -18,6 +18,8 @@ def _check(job, cases, nproc):
             assert got["param_diff"] <= TOL, (case, rank, got["param_diff"])
             for step, (a, b) in enumerate(zip(got["losses"], got["ref_losses"], strict=True)):
                 assert abs(a - b) <= TOL, (case, rank, step, a, b)
+            if rank == 0:
+                assert got["state_dict_diff"] <= TOL, (case, got["state_dict_diff"])
             kind = case.split(":")[4]
             assert got["transport"] == kind
 

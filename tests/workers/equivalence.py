@@ -175,7 +175,14 @@ def run_case(case):
         assert len(mine) == len(theirs), (len(mine), len(theirs))
         diff = max(float((a - b).detach().abs().max()) for a, b in zip(mine, theirs))
         digest = hashlib.sha256(b"".join(bytes(tensor_frame(p.detach())) for p in mine))
+        full = trainer.state_dict()  # gathered on rank 0, under the model's own keys
+        full_diff = None
+        if full is not None:
+            want = ref_model.state_dict()
+            assert sorted(full) == sorted(want), (sorted(full), sorted(want))
+            full_diff = max(float((full[k] - want[k]).abs().max()) for k in want)
         return {
+            "state_dict_diff": full_diff,
             "rank": trainer.rank,
             "stage": trainer.stage,
             "replica": trainer.replica,
