@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from myelin.errors import ConfigError, DeadlineError, MyelinError, RemoteError
 from myelin.profile.timeline import Timeline
-from myelin.runtime.group import World
+from myelin.runtime.group import World, average_gradients, sum_gradients
 from myelin.runtime.messages import Message
 from myelin.runtime.schedule import Action, Policy, Ready
 from myelin.runtime.stage import Stage, as_tuple
@@ -32,8 +31,6 @@ from myelin.runtime.stage import Stage, as_tuple
 __all__ = ["LoopConfig", "EventLoop"]
 
 log = logging.getLogger(__name__)
-
-_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -456,13 +453,7 @@ class EventLoop:
         so each holder applies the same update and the copies stay equal."""
         for group, params in self.tied:
             start = self.timeline.now()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            sum_gradients(params, group)
             self.timeline.add(
                 "allreduce",
                 f"{self.stage.index}TIED",
@@ -474,35 +465,14 @@ class EventLoop:
             )
 
     def _average_replicas(self, loss: float, grads: bool = True) -> float:
-        """All-reduce gradients (in buckets, asynchronously) and the loss across replicas."""
+        """Average gradients (when `grads`) and the loss across data-parallel replicas."""
         group = self.world.dp_group
         if group is None:
             return loss
-        replicas = self.world.layout.data_parallel
-        grad_params = grads and self.optimizer is not None
-        params = [p for p in self.stage.module.parameters() if p.requires_grad and grad_params]
-        had_grad = [p.grad is not None for p in params]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        train = grads and self.optimizer is not None
+        params = [p for p in self.stage.module.parameters() if p.requires_grad] if train else []
         start = self.timeline.now()
-        loss_t = torch.tensor([loss], dtype=torch.float64)
-        works = [(dist.all_reduce(loss_t, group=group, async_op=True), None, None)]
-        for bucket in _buckets([p.grad for p in params]):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
-        for work, flat, bucket in works:
-            work.wait()
-            if flat is None:
-                continue
-            flat.div_(replicas)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        for p, had in zip(params, had_grad, strict=True):
-            if not had and not p.grad.any():
-                p.grad = None  # unused everywhere: leave it to the optimizer to skip
+        loss = average_gradients(params, loss, group, self.world.layout.data_parallel)
         self.timeline.add(
             "allreduce",
             f"{self.stage.index}ALLREDUCE",
@@ -512,20 +482,4 @@ class EventLoop:
             cause="collective_wait",
             track="collective",
         )
-        return float(loss_t.item()) / replicas
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        if (
-            not out
-            or size + g.numel() * g.element_size() > _BUCKET_BYTES
-            or (out[-1][0].dtype != g.dtype or out[-1][0].device != g.device)
-        ):
-            out.append([])
-            size = 0
-        out[-1].append(g)
-        size += g.numel() * g.element_size()
-    return out
+        return loss
