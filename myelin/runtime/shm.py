@@ -1,0 +1,323 @@
+"""Shared-memory segments that carry large tensors between two ranks on one host.
+
+A sender owns one anonymous segment per receiver (`memfd_create`: nothing appears in
+/dev/shm, and the memory goes away with the last process that maps it, killed or not).
+It copies a tensor into a free slot and sends only the slot's location; the receiver
+maps the segment once, through /proc/<pid>/fd/<fd>, and wraps slots as tensors without
+a copy. A slot returns to the sender only after the receiver's tensor has died.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import queue
+import secrets
+import stat
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED",
+    "ShmError",
+    "SlotAllocator",
+    "Segment",
+    "Mapping",
+    "Wait",
+    "SendSide",
+    "ReceiveSide",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = sys.platform == "linux" and hasattr(os, "memfd_create")
+ALIGN = 64  # slot alignment: a cache line, enough for every dtype and vector unit
+_PAGE = mmap.PAGESIZE
+_MAGIC = b"MYELINSH"
+_NAME = "myelin-shm"
+
+
+class ShmError(Exception):
+    """A segment could not be created or mapped; the caller falls back to inline frames."""
+
+
+class SlotAllocator:
+    """First-fit allocator of aligned byte ranges in [base, base + capacity)."""
+
+    def __init__(self, base: int, capacity: int, align: int = ALIGN) -> None:
+        self.align = align
+        self.capacity = capacity
+        self.used = 0
+        self._free: list[tuple[int, int]] = [(base, capacity)]  # (offset, size), sorted
+        self._taken: dict[int, int] = {}  # offset -> size
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Reserve `nbytes` and return the offset, or None when no free range is big enough."""
+        size = max(self.align, -(-nbytes // self.align) * self.align)
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self._taken[offset] = size
+                self.used += size
+                return offset
+        return None
+
+    def free(self, offset: int) -> None:
+        """Return a slot; raises KeyError for an offset that is not allocated."""
+        size = self._taken.pop(offset)
+        self.used -= size
+        i = bisect.bisect(self._free, (offset, 0))
+        if i < len(self._free) and offset + size == self._free[i][0]:
+            size += self._free.pop(i)[1]  # merge with the next free range
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            offset, prev = self._free.pop(i - 1)
+            size += prev
+            i -= 1
+        self._free.insert(i, (offset, size))
+
+
+class Segment:
+    """The sending side: one memfd segment, its slots, and the offer that lets a peer map it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.token = secrets.randbits(62) + 1
+        self.size = _PAGE + capacity
+        self.fd: int | None = os.memfd_create(_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            os.posix_fallocate(self.fd, 0, self.size)  # no memory: an error now, not SIGBUS later
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except OSError as exc:
+            os.close(self.fd)
+            raise ShmError(f"cannot create a {self.size}-byte segment: {exc}") from exc
+        self._map[: len(_MAGIC) + 8] = _MAGIC + self.token.to_bytes(8, "little")
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.slots = SlotAllocator(_PAGE, capacity)
+
+    def offer(self) -> dict[str, Any]:
+        """What a peer on this host needs to map the segment."""
+        return {"pid": os.getpid(), "fd": self.fd, "size": self.size, "token": self.token}
+
+    def put(self, tensor: torch.Tensor) -> int | None:
+        """Copy a contiguous tensor into a free slot and return its offset, or None if full."""
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = self.slots.alloc(nbytes)
+        if offset is not None:
+            flat = tensor.detach().reshape(-1).view(torch.uint8)
+            self._bytes[offset : offset + nbytes].copy_(flat)
+        return offset
+
+    def close_fd(self) -> None:
+        """Drop the descriptor once the peer has mapped: the mappings keep the memory."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        self.close_fd()
+        del self._bytes
+        self._map.close()
+
+
+class Mapping:
+    """The receiving side: a peer's segment mapped here; slots become tensors without a copy."""
+
+    def __init__(self, offer: dict[str, Any]) -> None:
+        pid, fd, size, token = (offer.get(k) for k in ("pid", "fd", "size", "token"))
+        if not all(type(v) is int and v >= 0 for v in (pid, fd, size, token)):
+            raise ShmError(f"malformed shared-memory offer {offer!r}")
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            target = os.readlink(path)
+            if target.startswith(f"/memfd:{_NAME}"):
+                local = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            raise ShmError(f"cannot open {path}: {exc}") from exc
+        if not target.startswith(f"/memfd:{_NAME}"):
+            raise ShmError(f"{path} is {target}, not a myelin segment")
+        try:
+            info = os.fstat(local)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size or size <= _PAGE:
+                raise ShmError(f"{path} is {info.st_size} bytes, the offer said {size}")
+            self._map = mmap.mmap(local, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except ShmError:
+            raise
+        except OSError as exc:
+            raise ShmError(f"cannot map {path}: {exc}") from exc
+        finally:
+            os.close(local)
+        if self._map[: len(_MAGIC) + 8] != _MAGIC + token.to_bytes(8, "little"):
+            self._map.close()
+            raise ShmError(f"{path} does not carry the offered token")
+        self.token = token
+        self.size = size
+        self._view = memoryview(self._map)
+
+    def tensor(
+        self,
+        offset: int,
+        nbytes: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        on_release: Callable[[int], None],
+    ) -> torch.Tensor:
+        """Wrap a slot as a tensor; `on_release(offset)` runs (on any thread) once it dies."""
+        if offset < _PAGE or offset % ALIGN or offset + nbytes > self.size or nbytes == 0:
+            raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the segment")
+        view = self._view[offset : offset + nbytes]
+        weakref.finalize(view, on_release, offset).atexit = False
+        return torch.frombuffer(view, dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        """Unmap now if no tensor still uses the segment; otherwise the last tensor unmaps it."""
+        self._view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # tensors alive: the mapping lives until they die
+
+
+class Wait(Exception):
+    """No free slot yet, but one will come back soon: the message should wait, not go inline."""
+
+
+class SendSide:
+    """Shared memory towards one receiver: the segment, its handshake, and waits for slots.
+
+    state: "idle" (no segment yet), "offered" (the peer is mapping it), "ready", or "off".
+    """
+
+    def __init__(self, capacity: int, wait_s: float) -> None:
+        self.capacity = -(-capacity // ALIGN) * ALIGN
+        self.wait_s = wait_s
+        self.state = "idle"
+        self.segment: Segment | None = None
+        self.wait_until: float | None = None  # the waiting message goes inline after this
+        self.starved = False  # a wait timed out: go inline until a slot comes back
+
+    def offer(self) -> dict[str, Any] | None:
+        """Create the segment and return the offer for the peer; None (and "off") on failure."""
+        try:
+            self.segment = Segment(self.capacity)
+        except ShmError as exc:
+            log.warning("no shared memory (%s); sending inline", exc)
+            self.state = "off"
+            return None
+        self.state = "offered"
+        return {"op": "shm_offer", **self.segment.offer()}
+
+    def ready(self, token: Any) -> bool:
+        """The peer mapped the segment: from now on large tensors go through it."""
+        if self.segment is None or token != self.segment.token:
+            return False
+        self.segment.close_fd()
+        self.state = "ready"
+        return True
+
+    def refused(self, reason: Any) -> None:
+        log.warning("the peer cannot map shared memory (%s); sending inline", reason)
+        self.close()
+        self.state = "off"
+
+    def place(self, tensor: torch.Tensor, inflight: int) -> list[int] | None:
+        """Copy `tensor` into a slot and return its location; None sends it inline.
+
+        Raises Wait while slots can still come back: while the peer has not taken all that
+        was sent (`inflight`), then for at most `wait_s`; a wait that times out sends
+        inline until a slot is freed, so a receiver that holds every slot never stalls us.
+        """
+        offset = self.segment.put(tensor)
+        if offset is not None:
+            self.wait_until = None
+            return [self.segment.token, offset]
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.starved or -(-nbytes // ALIGN) * ALIGN > self.capacity:
+            return None
+        if inflight:
+            self.wait_until = None
+            raise Wait
+        now = time.monotonic()
+        if self.wait_until is None:
+            self.wait_until = now + self.wait_s
+        if now < self.wait_until:
+            raise Wait
+        self.starved, self.wait_until = True, None
+        return None
+
+    def unplace(self, offsets: list[int]) -> None:
+        """Give back slots of a message that did not leave after all."""
+        for offset in offsets:
+            self.segment.slots.free(offset)
+
+    def free(self, offsets: list[Any]) -> int:
+        """Take back slots the receiver released; returns how many offsets were not ours."""
+        bad = 0
+        for offset in offsets:
+            try:
+                self.segment.slots.free(offset)
+            except (AttributeError, KeyError, TypeError):
+                bad += 1
+        self.starved = False
+        return bad
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+class ReceiveSide:
+    """Peers' segments mapped here, and the slots whose tensors died, waiting to go back."""
+
+    def __init__(self) -> None:
+        self._mappings: dict[int, Mapping] = {}
+        self._released: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+
+    def accept(self, src: int, offer: dict[str, Any]) -> dict[str, Any]:
+        """Map `src`'s offered segment; returns the reply for it (ready, or refused and why)."""
+        try:
+            mapping = Mapping(offer)
+        except ShmError as exc:
+            log.warning("cannot map rank %d's segment: %s", src, exc)
+            return {"op": "shm_refused", "reason": str(exc)}
+        old = self._mappings.pop(src, None)
+        if old is not None:
+            old.close()
+        self._mappings[src] = mapping
+        return {"op": "shm_ready", "token": mapping.token}
+
+    def tensor(
+        self, src: int, loc: list[int], dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+    ) -> torch.Tensor:
+        """The tensor at `loc` = [token, offset] in `src`'s segment; ValueError if invalid."""
+        mapping = self._mappings.get(src)
+        if mapping is None or len(loc) != 2 or loc[0] != mapping.token:
+            raise ValueError(f"no shared segment {loc} from rank {src}")
+        released = self._released  # a finalizer must not keep the transport alive
+
+        def release(offset: int) -> None:
+            released.put((src, offset, nbytes))
+
+        return mapping.tensor(loc[1], nbytes, dtype, shape, release)
+
+    def released(self) -> list[tuple[int, int, int]]:
+        """(src, offset, nbytes) of every slot whose tensor died since the last call."""
+        out = []
+        while not self._released.empty():
+            out.append(self._released.get_nowait())
+        return out
+
+    def close(self) -> None:
+        for mapping in self._mappings.values():
+            mapping.close()  # tensors still alive keep their pages until they die
+        self._mappings.clear()
