@@ -1,6 +1,8 @@
 """The `myelin` command line.
 
 myelin run -n 2 train.py --lr 1e-3     # 2 local processes, as torchrun would start them
+myelin profile out/prof                # where each rank sat idle and why; redraws the picture
+myelin train --steps 30                # a small GPT on the stdlib's own source, 2 stages
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module (python -m)")
     run.add_argument("script", help="the Python script (or module, with -m) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    from myelin import train as train_job
+    from myelin.profile import report
+
+    train_job.add_arguments(
+        sub.add_parser(
+            "train",
+            help="train a small GPT on the Python standard library's source (no download, "
+            "no GPU), as a 2-stage pipeline of local processes",
+        )
+    )
+
+    report.add_arguments(
+        sub.add_parser(
+            "profile",
+            help="print where each rank sat idle and why; redraw the timeline",
+            description="Read a profile directory written by Trainer(profile='DIR') and print "
+            "busy time and idle time by cause per rank, redrawing DIR/timeline.png; or analyse "
+            "torch.profiler traces (one file per rank) of any PyTorch program the same way.",
+        )
+    )
     return parser
 
 
@@ -101,6 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(
             args.nproc, args.script, args.args, args.master_port, args.master_addr, args.module
         )
+    if args.command == "train":
+        from myelin import train as train_job
+
+        return train_job.main(args)
+    if args.command == "profile":
+        from myelin.profile import report
+
+        return report.main(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

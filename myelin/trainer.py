@@ -24,6 +24,8 @@ from myelin import fit as fit_loop
 from myelin.errors import ConfigError, MyelinError, PartitionError, RemoteError
 from myelin.init import is_meta, materialize
 from myelin.partition import StageModule, cross_stage_ties, layers_of, split, stage_module
+from myelin.profile.nvml import Sampler
+from myelin.profile.report import ProfileConfig, ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
 from myelin.runtime.group import (
     Layout,
@@ -110,7 +112,10 @@ class Trainer:
     optimizer: called with this stage's parameters, e.g. partial(torch.optim.AdamW, lr=1e-3).
     loss_fn: loss_fn(output, target) -> scalar tensor, applied on the last stage.
     device: this rank's device; default its local GPU, else the CPU.
-    profile: record a timeline of every operation, wait and send (`trainer.timeline`).
+    profile: record every operation, wait and send (`trainer.timeline`) and sample GPU and
+        memory counters; at close, print where each rank sat idle and why. A directory
+        (profile="out/dir") also gets summary.json, trace.json and timeline.png; a
+        myelin.profile.report.ProfileConfig sets the details.
     resume: a checkpoint directory written by `save`; training continues from it.
     Other keyword arguments are the fields of `PipelineConfig`.
     """
@@ -130,7 +135,7 @@ class Trainer:
         timeout: float = 300.0,
         transport: TransportConfig | None = None,
         device: str | torch.device | None = None,
-        profile: bool = False,
+        profile: bool | str | os.PathLike | ProfileConfig = False,
         resume: str | os.PathLike | None = None,
     ) -> None:
         self.config = PipelineConfig(
@@ -150,12 +155,14 @@ class Trainer:
             )
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
+        self._profile = ProfileConfig.from_arg(profile)
         cfg = self.config
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
             split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
         check_world_size(layout)
-        self._profile = bool(profile)
+        self._report: ProfileReport | None = None
+        self.sampler: Sampler | None = None
         self._closed = False
         self._failed: BaseException | None = None
         self.transport: Transport | None = None
@@ -196,8 +203,12 @@ class Trainer:
             LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
             tied=tied,
         )
-        self.timeline = Timeline(world.rank, world.stage, enabled=self._profile)
+        profiling = self._profile is not None
+        self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
         self.loop.timeline = self.timeline
+        if self._profile is not None:
+            self.sampler = Sampler(world.device, self._profile.interval_s, self.timeline.origin)
+            self.sampler.start()
         self.steps_done = 0  # training steps
         self._seq = 0  # training and evaluation steps: the step number messages carry
 
@@ -330,6 +341,23 @@ class Trainer:
         self._check_usable()
         return checkpoint.load(self, path)
 
+    def profile_report(self) -> ProfileReport:
+        """Where every rank's time went so far: busy, idle by cause, overlap, per rank.
+
+        While open it gathers from every rank, so call it on every rank (like `step`);
+        after close it returns the report made at close. Needs `profile=`.
+        """
+        if self._profile is None:
+            raise ConfigError(
+                "profile_report() needs Trainer(..., profile=True) or profile='out/dir'"
+            )
+        if self._closed:
+            if self._report is None:
+                raise MyelinError("no profile was gathered at close; see the warning logged")
+            return self._report
+        self._check_usable()
+        return gather_report(self.timeline, self.world, self.sampler, self._profile)
+
     def _check_usable(self) -> None:
         if self._closed:
             raise MyelinError("this Trainer is closed")
@@ -360,6 +388,11 @@ class Trainer:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if self._profile is not None and hasattr(self, "timeline"):
+            failed = self._failed is not None
+            self._report = finish_profile(
+                self.timeline, self.world, self.sampler, self._profile, failed=failed
+            )
         if self.transport is not None:
             self.transport.close()
         close_world(self.world)

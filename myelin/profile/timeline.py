@@ -4,13 +4,19 @@ Every operation, wait, send and collective is one `Span`: a kind, a name in the
 pipelining notation (`1F3`, `1SEND_F3`), the track it ran on, the step and
 microbatch, and its start and end in seconds on this rank's monotonic clock.
 Waits carry the cause of the idleness, so a report can say why a device sat idle.
+On a GPU, operations are timed with CUDA events read back off the hot path (when the
+spans are read), so recording never synchronizes the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 __all__ = ["Span", "Timeline", "KINDS", "IDLE_CAUSES"]
 
@@ -21,6 +27,7 @@ KINDS = {
     "optimizer": "compute",
     "eval": "compute",
     "send": "comm",
+    "recv": "comm",
     "wait": "wait",
     "allreduce": "wait",
 }
@@ -47,16 +54,38 @@ class Span:
 
 
 class Timeline:
-    """An append-only list of spans with one clock origin; cheap enough to leave on."""
+    """An append-only list of spans with one clock origin; cheap enough to leave on.
 
-    def __init__(self, rank: int, stage: int, enabled: bool = True) -> None:
+    device: on a CUDA device `op` times operations with CUDA events on the current
+    stream, read back off the hot path; elsewhere `op` reads the monotonic clock.
+    """
+
+    def __init__(self, rank: int, stage: int, enabled: bool = True, device: Any = None) -> None:
         self.rank = rank
         self.stage = stage
         self.enabled = enabled
+        self._ref = None  # a CUDA event recorded at the origin
+        self._pending: list[tuple[Any, Any, str, str, int, dict[str, Any]]] = []
+        if device is not None and torch.device(device).type == "cuda":
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record(torch.cuda.current_stream(device))
+            self._ref.synchronize()  # once, here: the event and the clocks below agree
         self.origin = time.perf_counter()
         self.wall_origin = time.time()  # to line ranks up in one trace
-        self.spans: list[Span] = []
-        self.busy_s = 0.0  # compute seconds so far, counted even when recording is off
+        self._spans: list[Span] = []
+        self._busy_s = 0.0
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every span so far; reading them waits for the device's pending timings."""
+        self._resolve(wait=True)
+        return self._spans
+
+    @property
+    def busy_s(self) -> float:
+        """Compute seconds so far (timed even when recording is off), as far as known now."""
+        self._resolve(wait=False)
+        return self._busy_s
 
     def now(self) -> float:
         """Seconds since this timeline's origin."""
@@ -65,11 +94,56 @@ class Timeline:
     def add(self, kind: str, name: str, start: float, end: float, step: int, **fields: Any) -> None:
         """Record a span (only counted when disabled); `track` defaults to the kind's group."""
         if KINDS[kind] == "compute":
-            self.busy_s += end - start
+            self._busy_s += end - start
         if not self.enabled:
             return
         track = fields.pop("track", None) or KINDS[kind]
-        self.spans.append(Span(kind, name, track, step, start, end, **fields))
+        self._spans.append(Span(kind, name, track, step, start, end, **fields))
+
+    def range(self, name: str) -> Any:
+        """A torch.profiler range named `name` while torch's profiler records (a wait, say)."""
+        return _torch_range(name)
+
+    @contextlib.contextmanager
+    def op(self, kind: str, name: str, step: int, **fields: Any) -> Iterator[None]:
+        """Time the operation run inside: on the device (CUDA events) or by the clock.
+
+        While torch.profiler records, the operation is also a range named `name` there,
+        so `myelin profile` finds myelin's operations in a torch.profiler trace.
+        """
+        with _torch_range(name):
+            if self._ref is None:
+                start = self.now()
+                yield
+                self.add(kind, name, start, self.now(), step, **fields)
+            else:
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                yield
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((begin, end, kind, name, step, fields))
+                if len(self._pending) > 64:
+                    self._resolve(wait=False)  # keep the list short; never waits
+
+    def _resolve(self, wait: bool) -> None:
+        """Turn finished CUDA events into spans, in order; `wait` for unfinished ones."""
+        while self._pending:
+            begin, end, kind, name, step, fields = self._pending[0]
+            if not wait and not end.query():
+                return
+            end.synchronize()
+            self._pending.pop(0)
+            start_s = self._ref.elapsed_time(begin) / 1e3
+            self.add(kind, name, start_s, self._ref.elapsed_time(end) / 1e3, step, **fields)
 
     def clear(self) -> None:
-        self.spans.clear()
+        self._resolve(wait=True)
+        self._spans.clear()
+
+
+def _torch_range(name: str) -> Any:
+    """A torch.profiler range while torch's profiler records, else nothing (cheap)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

@@ -128,10 +128,9 @@ class EventLoop:
         self._sum_tied()
         loss = self._average_replicas(loss)
         if self.optimizer is not None:
-            start = self.timeline.now()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.timeline.add("optimizer", f"{stage.index}OPT", start, self.timeline.now(), step)
+            with self.timeline.op("optimizer", f"{stage.index}OPT", step):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def run_eval(
@@ -212,19 +211,9 @@ class EventLoop:
             self._flush_outbox()
             action = self.policy.pick(ready)
             if action is not None:
-                start = self.timeline.now()
                 self._run(action, ready)
-                kind = "forward" if action.kind == "F" else "backward"
-                self.timeline.add(
-                    kind,
-                    str(action),
-                    start,
-                    self.timeline.now(),
-                    self._step,
-                    microbatch=action.microbatch,
-                )
                 if self.transport is not None:
-                    self._handle(self.transport.poll(0), ready)
+                    self._handle(self._poll_now(), ready)
                 last_progress = time.monotonic()
                 continue
             if self.transport is None:
@@ -237,10 +226,30 @@ class EventLoop:
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 raise DeadlineError(self._describe_wait(ready, time.monotonic() - last_progress))
 
+    def _poll_now(self) -> list[Message]:
+        """Take what has arrived without waiting; time spent receiving is a `recv` span."""
+        start = self.timeline.now()
+        messages = self.transport.poll(0)
+        first = messages[0] if messages and self.timeline.enabled else None
+        if first is not None and first.kind != "control":
+            op = "RECV_F" if first.kind == "activation" else "RECV_B"
+            self.timeline.add(
+                "recv",
+                f"{self.stage.index}{op}{first.microbatch}",
+                start,
+                self.timeline.now(),
+                self._step,
+                microbatch=first.microbatch,
+                peer=first.src,
+                track=f"peer {first.src}",
+            )
+        return messages
+
     def _wait(self, timeout_s: float, cause: str = "bubble") -> list[Message]:
         """Poll the inbox with nothing to run; the time is idle, recorded with its cause."""
         start = self.timeline.now()
-        messages = self.transport.poll(timeout_s)
+        with self.timeline.range(f"{self.stage.index}WAIT"):
+            messages = self.transport.poll(timeout_s)
         first = messages[0] if messages else None
         name = f"{self.stage.index}WAIT"
         if first is not None and first.kind != "control":
@@ -261,11 +270,14 @@ class EventLoop:
     def _run(self, action: Action, ready: Ready) -> None:
         mb = action.microbatch
         stage = self.stage
+        kind = "forward" if action.kind == "F" else "backward"
+        timed = self.timeline.op(kind, str(action), self._step, microbatch=mb)
         if action.kind == "F":
             ready.forward.discard(mb)
             inputs = self._inputs.pop(mb)
             target = self._targets[mb] if stage.is_last else None
-            outputs = stage.forward(mb, inputs, target, divisor=ready.microbatches)
+            with timed:  # the compute only: the send below is not the device's time
+                outputs = stage.forward(mb, inputs, target, divisor=ready.microbatches)
             ready.forwards_done += 1
             self.stats.forwards += 1
             if stage.is_last:
@@ -276,7 +288,8 @@ class EventLoop:
             return
         ready.backward.discard(mb)
         grads, index, loss = self._grads.pop(mb)
-        in_grads, in_index = stage.backward(mb, grads, index)
+        with timed:
+            in_grads, in_index = stage.backward(mb, grads, index)
         self._losses[mb] = loss
         ready.backwards_done += 1
         self.stats.backwards += 1
