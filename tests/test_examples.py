@@ -35,3 +35,38 @@ def test_quickstart_trains_with_two_stages_and_two_replicas(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
     assert len(losses) >= 3 and losses[-1] < losses[0], res.stdout
+
+
+def test_hf_gpt2_example_learns_and_leaves_a_plain_tied_model(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers")
+    cmd = [
+        sys.executable,
+        "-m",
+        "myelin.cli",
+        "run",
+        "-n",
+        "2",
+        str(EXAMPLES / "hf_gpt2.py"),
+        "--steps",
+        "50",
+        "--meta",
+    ]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={
+            "TMPDIR": str(tmp_path),
+            "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+        },
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    vals = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", res.stdout)]
+    assert len(vals) == 2 and vals[-1] < vals[0], res.stdout
+    assert "embedding and head tied: True" in res.stdout
