@@ -246,7 +246,7 @@ def timed_steps(step: Step, batches: list[list[tuple[Any, Any]]]) -> list[float]
     return [b - a for a, b in zip(ends, ends[1:], strict=False)]
 
 
-def serve(peer: Peer, plan: Plan) -> None:
+def serve(peer: Peer, plan: Plan, config: str) -> None:
     """A worker process: build the peer, warm up, then run the steps the parent asks for.
 
     Commands come one JSON line at a time on stdin: {"config", "first", "count"} runs
@@ -261,9 +261,10 @@ def serve(peer: Peer, plan: Plan) -> None:
         step, close = myelin_step(plan, peer.schedule)
     else:
         step, close = torch_step(plan, peer.schedule)
-    batches = {c: make_batches(plan, c) for c in peer.configs}
-    for config in peer.configs:
-        timed_steps(step, batches[config][: plan.warmup])
+    # One config per process: shapes seen earlier in a process (the varied lengths) change
+    # the speed of what follows (allocator and kernel caches), so configs never share one.
+    batches = {config: make_batches(plan, config)}
+    timed_steps(step, batches[config][: plan.warmup])
     answers = peer.kind == "pair" or int(os.environ.get("RANK", "0")) == 0
     _reply({"ready": True})
     for line in sys.stdin:
@@ -287,10 +288,11 @@ def _reply(obj: dict[str, Any]) -> None:
 class Job:
     """One peer's processes, started once; told what to run over stdin, answering on stdout."""
 
-    def __init__(self, peer: Peer, plan: Plan, tmp: str) -> None:
+    def __init__(self, peer: Peer, plan: Plan, tmp: str, config: str) -> None:
         self.peer, self.plan = peer, plan
-        self.logs = [os.path.join(tmp, f"{peer.name}-{r}.log") for r in range(peer.ranks)]
+        self.logs = [os.path.join(tmp, f"{peer.name}-{config}-{r}.log") for r in range(peer.ranks)]
         argv = [sys.executable, __file__, "--worker", peer.name, "--plan", json.dumps(asdict(plan))]
+        argv += ["--worker-config", config]
         env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
         env.update(OMP_NUM_THREADS=str(peer.threads), TMPDIR=tmp, PYTHONUNBUFFERED="1")
         port = free_port()
@@ -376,7 +378,8 @@ def measure(plan: Plan, tmp: str) -> dict[str, dict[str, dict[str, list]]]:
     jobs = {}
     try:
         for peer in peers:  # started together: start-up and warm-up are not measured
-            jobs[peer.name] = Job(peer, plan, tmp)
+            for config in peer.configs:
+                jobs[peer.name, config] = Job(peer, plan, tmp, config)
         for job in jobs.values():
             job.wait()
         print(f"{len(jobs)} peers started and warmed up", flush=True)
@@ -386,7 +389,7 @@ def measure(plan: Plan, tmp: str) -> dict[str, dict[str, dict[str, list]]]:
             first = plan.warmup + r * plan.steps
             for config, name in turns if r % 2 == 0 else reversed(turns):
                 load = os.getloadavg()[0]
-                data = jobs[name].run(config, first, plan.steps)
+                data = jobs[name, config].run(config, first, plan.steps)
                 got = samples[config].setdefault(name, {"seconds": [], "tokens": [], "load": []})
                 got["seconds"] += data["seconds"]
                 got["tokens"] += data["tokens"]
@@ -478,6 +481,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="JSON path (default bench/results/pipeline.json)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command")
     parser.add_argument("--worker", choices=list(PEERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-config", default="fixed", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -507,7 +511,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        serve(PEERS[args.worker], Plan(**json.loads(args.plan)))
+        serve(PEERS[args.worker], Plan(**json.loads(args.plan)), args.worker_config)
         return 0
     plan = make_plan(args)
     start, load_before = time.monotonic(), os.getloadavg()[0]
