@@ -556,7 +556,7 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
     state = trainer.state_dict()  # collective: the whole model on rank 0, None elsewhere
     if trainer.rank != 0:
         return
-    report.save(run_dir / "profile", plot=False)
+    report.save(run_dir / "profile")  # summary, trace, PNG timeline, raw records
     torch.save(state, run_dir / "model.pt")
     _say("where the time went:\n" + report.format())
     (first_step, first), (last_step, last) = val_curve[0], val_curve[-1]

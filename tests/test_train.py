@@ -109,6 +109,8 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
     ranks = {p.name for p in (out_dir / "profile" / "ranks").iterdir()}
     assert ranks == {"rank0.json", "rank1.json"}
     assert (out_dir / "profile" / "summary.json").exists()
+    assert (out_dir / "profile" / "timeline.png").stat().st_size > 10_000
+    assert (out_dir / "profile" / "trace.json").exists()
     assert "step" in err  # the progress bar, on stderr
 
 

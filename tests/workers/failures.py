@@ -59,6 +59,15 @@ def main():
     record["elapsed"] = time.monotonic() - start
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+    # The launcher stops every rank once one exits with an error: wait (briefly) until the
+    # others have written their records too, unless a rank is meant to be silent.
+    if args.mode != "deadline":
+        world = int(os.environ["WORLD_SIZE"])
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(args.out, f"rank{r}.json")) for r in range(world)
+        ):
+            time.sleep(0.05)
     if trainer is not None:
         trainer.close()
     raise SystemExit(3 if record["error_type"] else 0)
