@@ -31,7 +31,15 @@ from myelin.errors import MyelinError
 if TYPE_CHECKING:
     from myelin.trainer import Trainer
 
-__all__ = ["CheckpointError", "save", "load", "latest_version", "state_layout", "gather"]
+__all__ = [
+    "CheckpointError",
+    "save",
+    "load",
+    "verify",
+    "latest_version",
+    "state_layout",
+    "gather",
+]
 
 FORMAT = 1
 _KEEP = 2  # complete versions kept; older ones are removed after a successful save
@@ -97,14 +105,7 @@ def load(trainer: Trainer, path: str | os.PathLike) -> dict[str, Any]:
     if entry is None:
         raise CheckpointError(f"{vdir}/manifest.json lists no shard for rank {rank}")
     shard_file = vdir / entry["file"]
-    if not shard_file.exists():
-        raise CheckpointError(f"shard {shard_file} is missing")
-    digest = _sha256(shard_file)
-    if digest != entry["sha256"]:
-        raise CheckpointError(
-            f"shard {shard_file} is corrupt or truncated: its SHA-256 is {digest[:16]}..., "
-            f"the manifest says {entry['sha256'][:16]}..."
-        )
+    _check_shard(shard_file, entry["sha256"])
     shard = torch.load(shard_file, map_location="cpu", weights_only=True)
     _check_model(trainer, shard["model"], shard_file)
     trainer.module.load_state_dict(shard["model"])
@@ -114,6 +115,27 @@ def load(trainer: Trainer, path: str | os.PathLike) -> dict[str, Any]:
     trainer.steps_done = shard["steps_done"]
     trainer._seq = shard["seq"]
     return shard["extra"]
+
+
+def verify(path: str | os.PathLike) -> Path:
+    """The newest complete version under `path`, after checking every shard's checksum;
+    raises CheckpointError naming the first missing or corrupt shard."""
+    vdir = latest_version(path)
+    manifest = _read_manifest(vdir)
+    for _, entry in sorted(manifest["shards"].items(), key=lambda kv: int(kv[0])):
+        _check_shard(vdir / entry["file"], entry["sha256"])
+    return vdir
+
+
+def _check_shard(shard_file: Path, sha256: str) -> None:
+    if not shard_file.exists():
+        raise CheckpointError(f"shard {shard_file} is missing")
+    digest = _sha256(shard_file)
+    if digest != sha256:
+        raise CheckpointError(
+            f"shard {shard_file} is corrupt or truncated: its SHA-256 is {digest[:16]}..., "
+            f"the manifest says {sha256[:16]}..."
+        )
 
 
 def latest_version(path: str | os.PathLike) -> Path:

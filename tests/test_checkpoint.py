@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from myelin import Trainer
-from myelin.checkpoint import CheckpointError, latest_version
+from myelin.checkpoint import CheckpointError, latest_version, verify
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 
@@ -102,3 +102,61 @@ def test_two_stage_pipeline_resumes_with_the_same_losses(tmp_path):
         "rank0.pt",
         "rank1.pt",
     ]
+
+
+def _kill_one_rank_mid_save(tmp_path, delay):
+    """Start a 2-rank job that saves after every step, SIGKILL rank 1 `delay` s into saving."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._procs import WORKERS, _reap_session
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "myelin.cli",
+        "run",
+        "-n",
+        "2",
+        str(WORKERS / "save_forever.py"),
+        "--out",
+        str(out),
+        str(ckpt),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    try:
+        start = time.monotonic()
+        while not (ckpt / "latest").exists() or not (out / "pid1").exists():
+            assert time.monotonic() - start < 90, "no checkpoint appeared"
+            assert proc.poll() is None, "the job ended before saving"
+            time.sleep(0.02)
+        time.sleep(delay)
+        os.kill(int((out / "pid1").read_text()), signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _reap_session(proc.pid)
+    return verify(ckpt)
+
+
+def test_a_rank_killed_while_saving_leaves_a_complete_checkpoint(tmp_path):
+    vdir = _kill_one_rank_mid_save(tmp_path, delay=0.3)
+    assert sorted(p.name for p in vdir.iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attempt", range(8))
+def test_many_kills_at_random_points_of_saving(tmp_path, attempt):
+    import random
+
+    _kill_one_rank_mid_save(tmp_path, delay=random.Random(attempt).uniform(0.0, 1.5))
