@@ -232,17 +232,7 @@ class EventLoop:
         messages = self.transport.poll(0)
         first = messages[0] if messages and self.timeline.enabled else None
         if first is not None and first.kind != "control":
-            op = "RECV_F" if first.kind == "activation" else "RECV_B"
-            self.timeline.add(
-                "recv",
-                f"{self.stage.index}{op}{first.microbatch}",
-                start,
-                self.timeline.now(),
-                self._step,
-                microbatch=first.microbatch,
-                peer=first.src,
-                track=f"peer {first.src}",
-            )
+            self._comm_span("recv", "RECV", first, first.src, start, self._step)
         return messages
 
     def _wait(self, timeout_s: float, cause: str = "bubble") -> list[Message]:
@@ -325,18 +315,25 @@ class EventLoop:
         start = self.timeline.now()
         self.transport.send(dst, msg)
         if self.timeline.enabled:
-            op = "SEND_F" if msg.kind == "activation" else "SEND_B"
-            self.timeline.add(
-                "send",
-                f"{self.stage.index}{op}{msg.microbatch}",
-                start,
-                self.timeline.now(),
-                msg.step,
-                microbatch=msg.microbatch,
-                peer=dst,
-                track=f"peer {dst}",
-                nbytes=sum(t.numel() * t.element_size() for t in msg.tensors),
-            )
+            nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
+            self._comm_span("send", "SEND", msg, dst, start, msg.step, nbytes=nbytes)
+
+    def _comm_span(
+        self, kind: str, op: str, msg: Message, peer: int, start: float, step: int, **more: Any
+    ) -> None:
+        """Record a send or receive of `msg` on the track of `peer`, named `1SEND_F3` style."""
+        name = f"{self.stage.index}{op}_{'F' if msg.kind == 'activation' else 'B'}{msg.microbatch}"
+        self.timeline.add(
+            kind,
+            name,
+            start,
+            self.timeline.now(),
+            step,
+            microbatch=msg.microbatch,
+            peer=peer,
+            track=f"peer {peer}",
+            **more,
+        )
 
     def _flush_outbox(self) -> None:
         while self._outbox and self._outbox[0][0].query():
