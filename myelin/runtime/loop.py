@@ -101,23 +101,11 @@ class EventLoop:
         """
         m = self.config.microbatches
         stage = self.stage
-        if stage.is_first and inputs is None:
-            raise ConfigError(f"rank {self.world.rank} holds stage 0 and needs the inputs")
-        if stage.is_last and targets is None:
-            raise ConfigError(f"rank {self.world.rank} holds the last stage and needs the targets")
-        ready = Ready(stage.index, stage.num_stages, m)
-        self._step = step
-        self._targets = targets
-        self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        ready = self._begin(step, inputs, targets)
         self._grads: dict[int, tuple[list[torch.Tensor], list[int], float]] = {}
         self._losses: dict[int, float] = {}
-        self._arrived: set[tuple[str, int]] = set()
-        if stage.is_first:
-            self._inputs = {i: as_tuple(inputs[i]) for i in range(m)}
-            ready.forward = set(range(m))
         self.policy.begin_step(ready)
-        early, self._early = self._early, []
-        self._handle(early, ready)
+        self._handle_early(ready)
         try:
             self._drive(ready)
             self._drain_sends()
@@ -146,14 +134,9 @@ class EventLoop:
         """
         m = self.config.microbatches
         stage = self.stage
-        ready = Ready(stage.index, stage.num_stages, m)
-        self._step, self._targets, self._inputs = step, targets, {}
-        self._arrived, self._eval_loss = set(), None
-        if stage.is_first:
-            self._inputs = {i: as_tuple(inputs[i]) for i in range(m)}
-            ready.forward = set(range(m))
-        early, self._early = self._early, []
-        self._handle(early, ready)
+        ready = self._begin(step, inputs, targets)
+        self._eval_loss = None
+        self._handle_early(ready)
         losses = []
         last_progress = time.monotonic()
         try:
@@ -162,25 +145,17 @@ class EventLoop:
                 if ready.forward:
                     mb = min(ready.forward)
                     ready.forward.discard(mb)
-                    start = self.timeline.now()
-                    out = stage.evaluate(
-                        self._inputs.pop(mb), targets[mb] if stage.is_last else None
-                    )
-                    self.timeline.add(
-                        "eval",
-                        f"{stage.index}F{mb}",
-                        start,
-                        self.timeline.now(),
-                        step,
-                        microbatch=mb,
-                    )
+                    with self.timeline.op("eval", f"{stage.index}F{mb}", step, microbatch=mb):
+                        out = stage.evaluate(
+                            self._inputs.pop(mb), targets[mb] if stage.is_last else None
+                        )
                     ready.forwards_done += 1
                     if stage.is_last:
                         losses.append(out)
                     else:
                         self._send(stage.index + 1, "activation", mb, list(out), {})
                     if self.transport is not None:
-                        self._handle(self.transport.poll(0), ready)
+                        self._handle(self._poll_now(), ready)
                     last_progress = time.monotonic()
                     continue
                 messages = self._wait(self.config.poll_s)
@@ -204,6 +179,32 @@ class EventLoop:
             self._early.clear()
             raise
         return self._average_replicas(self._eval_loss, grads=False)
+
+    def _begin(
+        self,
+        step: int,
+        inputs: Sequence[tuple[torch.Tensor, ...]] | None,
+        targets: Sequence[Any] | None,
+    ) -> Ready:
+        """Per-step state shared by training and evaluation; stage 0's forwards are ready."""
+        stage = self.stage
+        if stage.is_first and inputs is None:
+            raise ConfigError(f"rank {self.world.rank} holds stage 0 and needs the inputs")
+        if stage.is_last and targets is None:
+            raise ConfigError(f"rank {self.world.rank} holds the last stage and needs the targets")
+        ready = Ready(stage.index, stage.num_stages, self.config.microbatches)
+        self._step, self._targets = step, targets
+        self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._arrived: set[tuple[str, int]] = set()
+        if stage.is_first:
+            self._inputs = {i: as_tuple(inputs[i]) for i in range(ready.microbatches)}
+            ready.forward = set(range(ready.microbatches))
+        return ready
+
+    def _handle_early(self, ready: Ready) -> None:
+        """Take the messages that came for this step while the last one was finishing."""
+        early, self._early = self._early, []
+        self._handle(early, ready)
 
     def _drive(self, ready: Ready) -> None:
         last_progress = time.monotonic()
