@@ -3,12 +3,15 @@
 from myelin.errors import (
     ConfigError,
     DeadlineError,
+    DeviceMemoryError,
+    HostMemoryError,
     MessageError,
     MyelinError,
     PartitionError,
     RemoteError,
 )
 from myelin.init import init_empty, init_layers
+from myelin.offload.config import OffloadConfig
 from myelin.partition import StageModule, balance, layers_of, split
 from myelin.runtime.messages import Message, MessageLimits
 from myelin.runtime.schedule import SCHEDULES, Action
@@ -21,10 +24,13 @@ __all__ = [
     "Action",
     "ConfigError",
     "DeadlineError",
+    "DeviceMemoryError",
+    "HostMemoryError",
     "Message",
     "MessageError",
     "MessageLimits",
     "MyelinError",
+    "OffloadConfig",
     "PartitionError",
     "PipelineConfig",
     "RemoteError",

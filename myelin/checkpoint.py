@@ -63,7 +63,7 @@ def save(trainer: Trainer, path: str | os.PathLike, extra: dict[str, Any] | None
         "steps_done": trainer.steps_done,
         "seq": trainer._seq,
         "model": trainer.module.state_dict(),
-        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer is not None else None,
+        "optimizer": trainer.updater.state_dict() if trainer.updater is not None else None,
         "rng": _rng_state(),
         "extra": extra or {},
     }
@@ -109,8 +109,10 @@ def load(trainer: Trainer, path: str | os.PathLike) -> dict[str, Any]:
     shard = torch.load(shard_file, map_location="cpu", weights_only=True)
     _check_model(trainer, shard["model"], shard_file)
     trainer.module.load_state_dict(shard["model"])
-    if trainer.optimizer is not None and shard["optimizer"] is not None:
-        trainer.optimizer.load_state_dict(shard["optimizer"])
+    if trainer.updater is not None:
+        trainer.updater.sync_from_params()
+        if shard["optimizer"] is not None:
+            trainer.updater.load_state_dict(shard["optimizer"])
     _set_rng_state(shard["rng"])
     trainer.steps_done = shard["steps_done"]
     trainer._seq = shard["seq"]

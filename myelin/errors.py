@@ -9,6 +9,8 @@ __all__ = [
     "PartitionError",
     "DeadlineError",
     "RemoteError",
+    "DeviceMemoryError",
+    "HostMemoryError",
 ]
 
 
@@ -44,3 +46,13 @@ class RemoteError(MyelinError):
         super().__init__(f"rank {rank} failed: {detail}")
         self.rank = rank
         self.detail = detail
+
+
+class DeviceMemoryError(MyelinError, MemoryError):
+    """A step would pass `device_memory_limit`; the message says what was resident on the
+    device, the limit, and which offload option would help."""
+
+
+class HostMemoryError(MyelinError, MemoryError):
+    """The host memory pool would pass its limit (or the machine's free memory); the
+    message gives the numbers and the setting to change."""

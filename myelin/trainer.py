@@ -23,7 +23,13 @@ from myelin import checkpoint
 from myelin import fit as fit_loop
 from myelin.errors import ConfigError, MyelinError, PartitionError, RemoteError
 from myelin.init import is_meta, materialize
+from myelin.offload.activations import ActivationStore
+from myelin.offload.budget import DeviceBudget
+from myelin.offload.config import OffloadConfig, check_precision
+from myelin.offload.optimizer import Updater
+from myelin.offload.pool import HostPool, default_host_limit, parse_bytes
 from myelin.partition import StageModule, cross_stage_ties, layers_of, split, stage_module
+from myelin.precision import compute_dtype
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileConfig, ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
@@ -117,6 +123,12 @@ class Trainer:
         (profile="out/dir") also gets summary.json, trace.json and timeline.png; a
         myelin.profile.report.ProfileConfig sets the details.
     resume: a checkpoint directory written by `save`; training continues from it.
+    offload: a myelin.OffloadConfig: page activations and optimizer state out to host memory.
+    precision: "fp32", "bf16" or "fp16" (with dynamic loss scaling); in half precision the
+        optimizer updates fp32 master weights.
+    device_memory_limit: bytes or "6GiB" this rank may use on its device. On a GPU it caps
+        torch's allocator; elsewhere the runtime adds up parameters, gradients, optimizer
+        state and saved activations and raises myelin.DeviceMemoryError past it.
     Other keyword arguments are the fields of `PipelineConfig`.
     """
 
@@ -137,6 +149,9 @@ class Trainer:
         device: str | torch.device | None = None,
         profile: bool | str | os.PathLike | ProfileConfig = False,
         resume: str | os.PathLike | None = None,
+        offload: OffloadConfig | None = None,
+        precision: str = "fp32",
+        device_memory_limit: int | str | None = None,
     ) -> None:
         self.config = PipelineConfig(
             stages=stages,
@@ -156,6 +171,11 @@ class Trainer:
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
         self._profile = ProfileConfig.from_arg(profile)
+        if offload is not None and not isinstance(offload, OffloadConfig):
+            raise ConfigError(f"offload={offload!r} must be a myelin.OffloadConfig")
+        self.offload = offload if offload is not None else OffloadConfig()
+        self.precision = check_precision(precision)
+        self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
         cfg = self.config
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
@@ -177,8 +197,10 @@ class Trainer:
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
         cfg, world = self.config, self.world
         self.module, tied = self._place_stage(model)
+        dtype = compute_dtype(self.precision)
+        self.module.to(dtype)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = optimizer(params) if params else None
+        activations = self._build_memory(params, optimizer)
         if world.layout.world_size > 1:
             generation = world.store.add(f"myelin/trainers/{world.rank}", 1)
             self.transport = Transport(
@@ -193,15 +215,18 @@ class Trainer:
                 world.peer(s) for s in (world.stage - 1, world.stage + 1) if 0 <= s < cfg.stages
             ]
             self.transport.connect(peers)
-        stage = Stage(self.module, world.stage, cfg.stages, world.device, loss_fn)
+        stage = Stage(
+            self.module, world.stage, cfg.stages, world.device, loss_fn, activations, dtype
+        )
         self.loop = EventLoop(
             stage,
             world,
             self.transport,
             make_policy(cfg.schedule, cfg.inflight),
-            self.optimizer,
+            self.updater,
             LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
             tied=tied,
+            budget=self.budget,
         )
         profiling = self._profile is not None
         self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
@@ -211,6 +236,85 @@ class Trainer:
             self.sampler.start()
         self.steps_done = 0  # training steps
         self._seq = 0  # training and evaluation steps: the step number messages carry
+
+    def _build_memory(self, params: list[nn.Parameter], optimizer: Callable) -> ActivationStore:
+        """The device budget, the host pool, the activation store and the updater."""
+        world, off = self.world, self.offload
+        mode = off.optimizer_mode(world.device.type)
+        self.pool: HostPool | None = None
+        if off.enabled:
+            ranks_here = self.world_size if world.same_host else 1
+            limit = off.host_memory_limit or default_host_limit(ranks_here)
+            pin = world.device.type == "cuda"
+            self.pool = HostPool(limit, slab_bytes=off.slab_bytes, pin=pin)
+        offloading = tuple(
+            c for c, on in (("activations", off.activations), ("optimizer", mode != "device")) if on
+        )
+        self.budget = DeviceBudget(
+            world.device,
+            self.device_memory_limit,
+            where=f"rank {world.rank} (stage {world.stage})",
+            offloading=offloading,
+        )
+        nbytes = sum(t.numel() * t.element_size() for t in self.module.parameters())
+        self.budget.set("parameters", nbytes, "placing the stage's parameters")
+        self.updater: Updater | None = None
+        if params:
+            self.updater = Updater(
+                params,
+                optimizer,
+                mode=mode,
+                precision=self.precision,
+                budget=self.budget,
+                pool=self.pool,
+                bucket_bytes=off.bucket_bytes,
+            )
+        elif self.precision == "fp16" and self.world_size > 1:
+            raise ConfigError(
+                f"precision='fp16': stage {world.stage} has no trainable parameters, but every "
+                f"rank must vote on skipping steps whose gradients overflow"
+            )
+        self.optimizer = self.updater.optimizer if self.updater is not None else None
+        persistent = [*self.module.parameters(), *self.module.buffers()]
+        return ActivationStore(
+            world.device,
+            self.budget,
+            pool=self.pool if off.activations else None,
+            min_bytes=off.min_bytes,
+            prefetch=off.prefetch,
+            persistent=persistent,
+        )
+
+    def memory_stats(self) -> dict[str, Any]:
+        """This rank's memory: the device's peak (measured by torch.cuda on a GPU, else by
+        the runtime's accounting) and what was resident, the host pool, what was paged
+        out, and how often backward found its activations back in time."""
+        budget, pool, store = self.budget, self.pool, self.loop.stage.activations
+        stats = store.stats
+        pool_stats = pool.stats() if pool is not None else {}
+        updater = self.updater
+        return {
+            "device_peak_bytes": budget.device_peak(),
+            "device_peak_measured_by": "torch.cuda" if budget.measured else "accounting",
+            "device_limit_bytes": budget.limit_bytes,
+            "device_resident_bytes": dict(budget.resident),
+            "device_peak_resident_bytes": dict(budget.peak_resident),
+            "host_pool_peak_bytes": pool_stats.get("peak_bytes", 0),
+            "host_pool_in_use_bytes": pool_stats.get("in_use_bytes", 0),
+            "host_pool_capacity_bytes": pool_stats.get("capacity_bytes", 0),
+            "host_pool_limit_bytes": pool_stats.get("limit_bytes"),
+            "host_pool_grows": pool_stats.get("grows", 0),
+            "activations_offloaded_bytes": stats.offloaded_step_bytes,
+            "activations_offloaded_total_bytes": stats.offloaded_bytes,
+            "optimizer_host_bytes": updater.host_bytes() if updater is not None else 0,
+            "optimizer_mode": updater.mode if updater is not None else None,
+            "precision": self.precision,
+            "prefetch_hits": stats.prefetch_hits,
+            "prefetch_misses": stats.prefetch_misses,
+            "offload_wait_seconds": stats.wait_s,
+            "loss_scale": updater.scaler.scale if updater and updater.scaler else None,
+            "skipped_steps": updater.scaler.skipped if updater and updater.scaler else 0,
+        }
 
     def _place_stage(self, model: Any) -> tuple[nn.Module, list[tuple[Any, list[nn.Parameter]]]]:
         """This rank's stage on its device, materialised if built under `init_empty`, with
@@ -284,6 +388,10 @@ class Trainer:
         mb_targets = split_batch(targets, m, "targets")
         try:
             loss = self.loop.run_step(self._seq, mb_inputs, mb_targets)
+        except torch.OutOfMemoryError as exc:
+            error = self.budget.describe_oom(exc, f"training step {self.steps_done}")
+            self._fail(error)
+            raise error from exc
         except BaseException as exc:
             self._fail(exc)
             raise

@@ -30,6 +30,7 @@ KINDS = {
     "recv": "comm",
     "wait": "wait",
     "allreduce": "wait",
+    "offload": "wait",  # copies to and from host memory the device waits for
 }
 IDLE_CAUSES = ("bubble", "offload_wait", "collective_wait", "optimizer_host", "host_overhead")
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError, DeadlineError, MyelinError, RemoteError
+from myelin.offload.budget import DeviceBudget
+from myelin.offload.optimizer import Updater
 from myelin.profile.timeline import Timeline
 from myelin.runtime.group import World, average_gradients, sum_gradients
 from myelin.runtime.messages import Message
@@ -67,17 +69,22 @@ class EventLoop:
         world: World,
         transport: Any,
         policy: Policy,
-        optimizer: torch.optim.Optimizer | None,
+        updater: Updater | None,
         config: LoopConfig,
         timeline: Timeline | None = None,
         tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None,
+        budget: DeviceBudget | None = None,
     ) -> None:
         self.stage = stage
         self.world = world
         self.transport = transport
         self.policy = policy
-        self.optimizer = optimizer
+        self.updater = updater
         self.config = config
+        self.budget = budget
+        self._grad_bytes = sum(
+            p.numel() * p.element_size() for p in stage.module.parameters() if p.requires_grad
+        )
         self.stats = LoopStats()
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
@@ -104,6 +111,10 @@ class EventLoop:
         ready = self._begin(step, inputs, targets)
         self._grads: dict[int, tuple[list[torch.Tensor], list[int], float]] = {}
         self._losses: dict[int, float] = {}
+        if stage.activations is not None:
+            stage.activations.begin_step()
+        if self.updater is not None and self.updater.scaler is not None:
+            stage.loss_scale = self.updater.scaler.scale
         self.policy.begin_step(ready)
         self._handle_early(ready)
         try:
@@ -115,11 +126,25 @@ class EventLoop:
         loss = sum(self._losses[i] for i in range(m)) / m
         self._sum_tied()
         loss = self._average_replicas(loss)
-        if self.optimizer is not None:
-            with self.timeline.op("optimizer", f"{stage.index}OPT", step):
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+        if self.updater is not None:
+            self._update(step)
+        if self.budget is not None:
+            self.budget.set("gradients", 0, "")
         return loss
+
+    def _update(self, step: int) -> None:
+        """The optimizer step; on a GPU with the update on the host, the device idles."""
+        if self.updater.mode == "host" and self.stage.device.type == "cuda":
+            start = self.timeline.now()
+            self.updater.step()
+            end = self.timeline.now()
+            name = f"{self.stage.index}OPT_HOST"
+            self.timeline.add(
+                "offload", name, start, end, step, cause="optimizer_host", track="offload"
+            )
+            return
+        with self.timeline.op("optimizer", f"{self.stage.index}OPT", step):
+            self.updater.step()
 
     def run_eval(
         self,
@@ -219,6 +244,7 @@ class EventLoop:
                 continue
             if self.transport is None:
                 raise MyelinError(f"one-rank loop has nothing to run: {ready}")
+            self._prefetch()
             wait = self.config.poll_s if not self._outbox else 0.0005
             messages = self._wait(wait)
             if messages:
@@ -267,8 +293,11 @@ class EventLoop:
             ready.forward.discard(mb)
             inputs = self._inputs.pop(mb)
             target = self._targets[mb] if stage.is_last else None
+            store = stage.activations
+            page_out = store is not None and store.pages_out
+            page_out = page_out and not self.policy.backward_next(ready, mb)
             with timed:  # the compute only: the send below is not the device's time
-                outputs = stage.forward(mb, inputs, target, divisor=ready.microbatches)
+                outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out)
             ready.forwards_done += 1
             self.stats.forwards += 1
             if stage.is_last:
@@ -279,13 +308,58 @@ class EventLoop:
             return
         ready.backward.discard(mb)
         grads, index, loss = self._grads.pop(mb)
+        self._before_backward(mb, ready)
         with timed:
             in_grads, in_index = stage.backward(mb, grads, index)
+        self._prefetch()
         self._losses[mb] = loss
         ready.backwards_done += 1
         self.stats.backwards += 1
         if not stage.is_first:
             self._send(stage.index - 1, "gradient", mb, in_grads, {"index": in_index, "loss": loss})
+
+    # -- memory --------------------------------------------------------------
+
+    def _before_backward(self, mb: int, ready: Ready) -> None:
+        """Gradients take memory from the step's first backward; the last one may stream
+        them to the host; and the microbatch's paged-out activations must be back."""
+        if self.budget is not None and ready.backwards_done == 0:
+            self.budget.set("gradients", self._grad_bytes, f"the backward of microbatch {mb}")
+        last = ready.backwards_done == ready.microbatches - 1
+        if last and self.updater is not None and not self.tied and self.world.dp_group is None:
+            self.updater.arm()
+        store = self.stage.activations
+        if store is not None and store.pages_out:
+            start = self.timeline.now()
+            waited = store.stats.wait_s
+            store.fetch(mb)
+            if store.stats.wait_s > waited:
+                name = f"{self.stage.index}FETCH{mb}"
+                end = self.timeline.now()
+                self.timeline.add(
+                    "offload",
+                    name,
+                    start,
+                    end,
+                    self._step,
+                    cause="offload_wait",
+                    microbatch=mb,
+                    track="offload",
+                )
+
+    def _prefetch(self) -> None:
+        """Bring back the pages of the backwards that come next. On a GPU the copies run on a
+        side stream; on a CPU they are copies this rank makes now, recorded as such."""
+        store = self.stage.activations
+        if store is None or not store.pages_out:
+            return
+        start = self.timeline.now()
+        if store.prefetch_ahead() and self.stage.device.type != "cuda":
+            name = f"{self.stage.index}PREFETCH"
+            end = self.timeline.now()
+            self.timeline.add(
+                "offload", name, start, end, self._step, cause="offload_wait", track="offload"
+            )
 
     # -- messages ------------------------------------------------------------
 
@@ -480,7 +554,7 @@ class EventLoop:
         group = self.world.dp_group
         if group is None:
             return loss
-        train = grads and self.optimizer is not None
+        train = grads and self.updater is not None
         params = [p for p in self.stage.module.parameters() if p.requires_grad] if train else []
         start = self.timeline.now()
         loss = average_gradients(params, loss, group, self.world.layout.data_parallel)

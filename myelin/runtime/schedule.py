@@ -76,6 +76,11 @@ class Policy:
             return Action(ready.stage, "F", min(ready.forward))
         return None
 
+    def backward_next(self, ready: Ready, mb: int) -> bool:
+        """Whether the backward of `mb` will run right after its forward (just picked), so
+        its saved activations are not worth paging out: on the last stage, backward first."""
+        return ready.stage == ready.num_stages - 1
+
     def waiting_for(self, ready: Ready) -> Action | None:
         """The action this policy would run next if its message had arrived."""
         if ready.inflight > 0:
@@ -107,6 +112,9 @@ class FixedPolicy(Policy):
             return None
         self._pos += 1
         return action
+
+    def backward_next(self, ready: Ready, mb: int) -> bool:
+        return self.waiting_for(ready) == Action(ready.stage, "B", mb)
 
     def waiting_for(self, ready: Ready) -> Action | None:
         return self._order[self._pos] if self._pos < len(self._order) else None

@@ -2,11 +2,14 @@
 
 The stage keeps, per microbatch in flight, the inputs it received (as autograd
 leaves) and the outputs it produced, so a later gradient message can run the
-backward of exactly that microbatch. The last stage also applies the loss.
+backward of exactly that microbatch. The last stage also applies the loss. What
+autograd saves in between goes through an `ActivationStore`, which accounts it and,
+when asked, pages it out to host memory until the backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from myelin.errors import MyelinError
+from myelin.offload.activations import ActivationStore
 
 __all__ = ["Stage", "as_tuple"]
 
@@ -48,8 +52,13 @@ class Stage:
         num_stages: int,
         device: torch.device,
         loss_fn: Callable[..., torch.Tensor],
+        activations: ActivationStore | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.module = module
+        self.activations = activations
+        self.dtype = dtype  # floating inputs are cast to it (bf16/fp16 training)
+        self.loss_scale = 1.0  # fp16: the loss is multiplied by it before backward
         self.index = index
         self.num_stages = num_stages
         self.device = device
@@ -59,26 +68,40 @@ class Stage:
         self._flights: dict[int, _Flight] = {}
 
     def forward(
-        self, mb: int, inputs: tuple[torch.Tensor, ...], target: Any = None, divisor: int = 1
+        self,
+        mb: int,
+        inputs: tuple[torch.Tensor, ...],
+        target: Any = None,
+        divisor: int = 1,
+        page_out: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """Run the forward of microbatch `mb`; on the last stage, also its loss.
 
         The loss is divided by `divisor` (the microbatch count) before its backward,
-        as in gradient accumulation. Returns the outputs to send on (the last stage: ()).
+        as in gradient accumulation. `page_out`: page what autograd saves out to host
+        memory (the backward is not next). Returns the outputs to send on (last stage: ()).
         """
         inputs = tuple(self._receive(t) for t in inputs)
-        outputs = as_tuple(self.module(*inputs))
-        if not self.is_last:
-            self._flights[mb] = _Flight(inputs, outputs)
-            return outputs
-        out = outputs[0] if len(outputs) == 1 else outputs
-        loss = self.loss_fn(out, _to(target, self.device))
+        saving = (
+            self.activations.saving(mb, keep=inputs, page_out=page_out)
+            if self.activations is not None
+            else contextlib.nullcontext()
+        )
+        with saving:
+            outputs = as_tuple(self.module(*inputs))
+            if not self.is_last:
+                self._flights[mb] = _Flight(inputs, outputs)
+                return outputs
+            loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise MyelinError(
                 f"loss_fn must return a scalar tensor, got "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             )
-        self._flights[mb] = _Flight(inputs, (loss.reshape(()) / divisor,), loss.detach())
+        scaled = loss.reshape(()) / divisor
+        if self.loss_scale != 1.0:
+            scaled = scaled * self.loss_scale
+        self._flights[mb] = _Flight(inputs, (scaled,), loss.detach())
         return ()
 
     @torch.no_grad()
@@ -86,17 +109,22 @@ class Stage:
         self, inputs: tuple[torch.Tensor, ...], target: Any = None
     ) -> tuple[torch.Tensor, ...] | float:
         """Forward only, keeping nothing for backward: outputs, or the loss on the last stage."""
-        inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+        inputs = tuple(self._cast(t) for t in inputs)
         outputs = as_tuple(self.module(*inputs))
         if not self.is_last:
             return outputs
-        loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, _to(target, self.device))
+        loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
         return float(loss)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on this device, floating point cast to the stage's dtype."""
+        dtype = self.dtype if t.is_floating_point() else t.dtype
+        return t.to(self.device, dtype, non_blocking=True)
 
     def _receive(self, t: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            return t.to(self.device, non_blocking=True)
-        t = t.detach().to(self.device, non_blocking=True)
+            return self._cast(t)
+        t = self._cast(t.detach())
         if t.is_floating_point():
             t.requires_grad_(True)
         return t
@@ -118,6 +146,25 @@ class Stage:
         flight = self._flights.pop(mb, None)
         if flight is None:
             raise MyelinError(f"stage {self.index}: backward of microbatch {mb} before its forward")
+        if self.activations is not None:
+            self.activations.fetch(mb)
+        try:
+            self._backward(mb, flight, grads, index)
+        finally:
+            if self.activations is not None:
+                self.activations.release(mb)
+        if self.is_first:
+            return [], []
+        out_grads, out_index = [], []
+        for i, t in enumerate(flight.inputs):
+            if t.requires_grad and t.grad is not None:
+                out_grads.append(t.grad)
+                out_index.append(i)
+        return out_grads, out_index
+
+    def _backward(
+        self, mb: int, flight: _Flight, grads: list[torch.Tensor] | None, index: list[int] | None
+    ) -> None:
         if self.is_last:
             flight.outputs[0].backward()
         else:
@@ -145,14 +192,6 @@ class Stage:
                     pairs.append((out, g.to(self.device, out.dtype, non_blocking=True)))
             if pairs:
                 torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        if self.is_first:
-            return [], []
-        out_grads, out_index = [], []
-        for i, t in enumerate(flight.inputs):
-            if t.requires_grad and t.grad is not None:
-                out_grads.append(t.grad)
-                out_index.append(i)
-        return out_grads, out_index
 
     def in_flight(self, mb: int) -> bool:
         """Whether microbatch `mb` has run forward here and waits for its backward."""
@@ -161,6 +200,16 @@ class Stage:
     def clear(self) -> None:
         """Forget every microbatch in flight (after a failed step)."""
         self._flights.clear()
+        if self.activations is not None:
+            self.activations.clear()
+
+
+def _output(outputs: tuple[torch.Tensor, ...], dtype: torch.dtype) -> Any:
+    """What the loss function gets: the output (or outputs), in fp32 when training in half
+    precision, so the loss itself is computed in full precision."""
+    if dtype != torch.float32:
+        outputs = tuple(o.float() if o.is_floating_point() else o for o in outputs)
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -88,3 +88,45 @@ def test_hf_gpt2_with_tied_embedding_and_meta_init_matches_single_process(tmp_pa
     ]
     job = launch(2, "equivalence.py", cases, tmp_path, timeout=180)
     _check(job, cases, 2)
+
+
+def _offload_cases(base):
+    return [f"{base}:eager:{name}" for name in ("none", "act", "opt", "stream", "both")]
+
+
+def _identical(job, cases):
+    """Bit-identical parameters and exactly equal losses on every rank under `cases`."""
+    _same_params(job, cases)
+    for res in job.results.values():
+        assert len({tuple(res[c]["losses"]) for c in cases}) == 1, cases
+
+
+def _paged(job, case, activations=True, optimizer=True):
+    """Whether some rank really paged activations out and held optimizer state on the host."""
+    mem = [res[case]["memory"] for res in job.results.values()]
+    assert not activations or any(m["activations_offloaded_total_bytes"] > 0 for m in mem)
+    assert not optimizer or all(m["optimizer_host_bytes"] > 0 for m in mem)
+
+
+def test_offload_changes_nothing_on_two_stages(tmp_path):
+    gpipe = _offload_cases("gpt:2:1:gpipe:ipc:fixed")
+    varied = _offload_cases("gpt:2:1:message-driven:ipc:varied")
+    tied = ["hf:2:1:1f1b:ipc:fixed:eager:none", "hf:2:1:1f1b:ipc:fixed:eager:both"]
+    cases = gpipe + varied + tied
+    job = launch(2, "equivalence.py", cases, tmp_path, timeout=240)
+    _check(job, cases, 2)
+    for group in (gpipe, varied, tied):
+        _identical(job, group)
+    _paged(job, gpipe[-1])
+    _paged(job, varied[-1])
+
+
+def test_offload_changes_nothing_on_four_processes(tmp_path):
+    four = _offload_cases("gpt:4:1:1f1b:ipc:fixed")
+    replicas = ["gpt:2:2:1f1b:tcp:varied:eager:none", "gpt:2:2:1f1b:tcp:varied:eager:both"]
+    cases = four + replicas
+    job = launch(4, "equivalence.py", cases, tmp_path, timeout=240)
+    _check(job, cases, 4)
+    _identical(job, four)
+    _identical(job, replicas)
+    _paged(job, four[-1])

@@ -1,9 +1,10 @@
 """Train cases with myelin and with one process doing gradient accumulation; record both.
 
 Run by tests/runtime/test_pipeline.py as `myelin run -n N equivalence.py --out DIR CASE...`,
-where CASE is model:stages:data_parallel:schedule:transport:lengths[:init], e.g.
+where CASE is model:stages:data_parallel:schedule:transport:lengths[:init[:offload]], e.g.
 `gpt:2:1:1f1b:tcp:varied` or `hf:2:1:message-driven:ipc:fixed:meta` (built under
-myelin.init_empty(); the reference is the eager model given myelin.init_layers).
+myelin.init_empty(); the reference is the eager model given myelin.init_layers), or
+`gpt:2:1:gpipe:ipc:fixed:eager:both` (offload one of OFFLOAD's keys).
 Every case must use all N processes.
 """
 
@@ -22,6 +23,15 @@ from myelin.partition import layers_of
 from myelin.runtime.messages import tensor_frame
 
 STEPS, MICROBATCHES, LR = 5, 4, 3e-3
+
+# What each offload name turns on; min_bytes=0 pages out even these small models' tensors.
+OFFLOAD = {
+    "none": None,
+    "act": myelin.OffloadConfig(activations=True, min_bytes=0),
+    "opt": myelin.OffloadConfig(optimizer=True, bucket_bytes=4096),
+    "stream": myelin.OffloadConfig(optimizer="stream", bucket_bytes=4096),
+    "both": myelin.OffloadConfig(activations=True, optimizer=True, min_bytes=0, bucket_bytes=4096),
+}
 
 
 class Fan(torch.nn.Module):
@@ -143,9 +153,10 @@ def reference(name, replicas, varied, init):
 
 
 def run_case(case):
-    name, stages, dp, schedule, kind, lengths, *init = case.split(":")
+    name, stages, dp, schedule, kind, lengths, *more = case.split(":")
     stages, dp, varied = int(stages), int(dp), lengths == "varied"
-    init = init[0] if init else "eager"
+    init = more[0] if more else "eager"
+    offload = OFFLOAD[more[1] if len(more) > 1 else "none"]
     if init == "meta":
         with myelin.init_empty():
             model, loss_fn = build(name)
@@ -161,6 +172,7 @@ def run_case(case):
         schedule=schedule,
         transport=myelin.TransportConfig(kind=kind),
         timeout=60,
+        offload=offload,
     )
     with trainer:
         losses = [trainer.step(*batch(name, s, trainer.replica, varied)) for s in range(STEPS)]
@@ -191,6 +203,7 @@ def run_case(case):
             "param_diff": diff,
             "digest": digest.hexdigest(),
             "transport": trainer.transport.kind if trainer.transport else None,
+            "memory": trainer.memory_stats(),
         }
 
 

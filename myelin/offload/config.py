@@ -1,0 +1,98 @@
+"""What to page out to host memory, and how: `OffloadConfig`, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from myelin.errors import ConfigError
+from myelin.offload.pool import parse_bytes
+
+__all__ = ["OffloadConfig", "OPTIMIZER_MODES", "PRECISIONS"]
+
+# Where the optimizer's state lives and where its update runs:
+#   device  the ordinary way: state and update on the device (no offload);
+#   host    state and fp32 master weights in the host pool, update on the host;
+#   stream  state in the host pool, update on the device, state streamed through in buckets.
+OPTIMIZER_MODES = ("device", "host", "stream")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """CPU scratch memory: page activations and optimizer state out to a host pool.
+
+    activations: page tensors saved for backward out to the host after each forward and
+        prefetch them back before their backward.
+    optimizer: True (the default mode for the device: "host" on a CPU, "stream" on a GPU),
+        "host", "stream", or False / "device" (no optimizer offload).
+    min_bytes: saved tensors smaller than this stay on the device (a copy costs more).
+    prefetch: microbatches whose pages are brought back ahead of their backward.
+    host_memory_limit: bytes or "48GiB" the pool may hold; default 80% of the memory
+        available at start, shared by the ranks of this host.
+    slab_bytes: the pool grows in slabs of this size.
+    bucket_bytes: gradients and weights move between device and host in buckets this big.
+    """
+
+    activations: bool = False
+    optimizer: bool | str = False
+    min_bytes: int | str = "64KiB"
+    prefetch: int = 1
+    host_memory_limit: int | str | None = None
+    slab_bytes: int | str = "64MiB"
+    bucket_bytes: int | str = "32MiB"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.activations, bool):
+            raise ConfigError(f"OffloadConfig.activations={self.activations!r} must be True/False")
+        opt = self.optimizer
+        if not (isinstance(opt, bool) or opt in OPTIMIZER_MODES):
+            raise ConfigError(
+                f"OffloadConfig.optimizer={opt!r} must be True, False or one of "
+                f"{', '.join(repr(m) for m in OPTIMIZER_MODES)}"
+            )
+        if type(self.prefetch) is not int or not 0 <= self.prefetch <= 64:
+            raise ConfigError(f"OffloadConfig.prefetch={self.prefetch!r} must be an int in [0, 64]")
+        _bytes(self, "min_bytes", allow_zero=True)
+        _bytes(self, "host_memory_limit", allow_none=True)
+        _bytes(self, "slab_bytes")
+        _bytes(self, "bucket_bytes")
+        if self.slab_bytes < 1 << 20:
+            raise ConfigError(f"OffloadConfig.slab_bytes={self.slab_bytes} must be at least 1MiB")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is paged out at all."""
+        return self.activations or self.optimizer not in (False, "device")
+
+    def optimizer_mode(self, device_type: str) -> str:
+        """The resolved optimizer mode on a device of this type.
+
+        True picks "stream" on a GPU: moving fp32 state over PCIe both ways (about 24 bytes
+        a parameter) is faster than torch's foreach AdamW on a few host cores, which makes
+        several passes over 16 bytes a parameter. On a CPU both are the same host copies,
+        and "host" skips the staging buffers.
+        """
+        if self.optimizer is True:
+            return "stream" if device_type == "cuda" else "host"
+        if self.optimizer is False:
+            return "device"
+        return str(self.optimizer)
+
+
+def _bytes(cfg: Any, name: str, allow_zero: bool = False, allow_none: bool = False) -> None:
+    value = getattr(cfg, name)
+    if value is None and allow_none:
+        return
+    if allow_zero and value == 0 and type(value) is int:
+        return
+    object.__setattr__(cfg, name, parse_bytes(value, f"OffloadConfig.{name}"))
+
+
+def check_precision(precision: str) -> str:
+    """`precision` if it is one myelin trains in, else a ConfigError naming the choices."""
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"precision={precision!r} must be one of {', '.join(repr(p) for p in PRECISIONS)}"
+        )
+    return precision

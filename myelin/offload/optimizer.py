@@ -1,0 +1,445 @@
+"""The optimizer step, with fp32 master weights and optimizer state where the user asked.
+
+`Updater` wraps the user's torch optimizer, built over fp32 master copies of the stage's
+parameters (the parameters themselves when the model trains in fp32 on the device):
+
+- "device": state and update on the device; under bf16/fp16, fp32 masters there too;
+- "host": masters, gradients and state in the host pool; gradients stream to the host
+  per bucket (during the last backward when nothing reduces them after), the update runs
+  there with torch's foreach kernels, and updated weights stream back;
+- "stream": masters and state in the host pool, the update on the device: bucket by
+  bucket, state is copied in (the next bucket's copy overlapping this bucket's update),
+  stepped, and copied out.
+
+Buckets are stepped one at a time by giving only their parameters a gradient, which any
+torch optimizer with per-parameter state treats exactly like one whole step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from myelin.errors import ConfigError
+from myelin.offload.budget import DeviceBudget
+from myelin.offload.pool import HostPool
+from myelin.precision import LossScaler
+
+__all__ = ["Updater"]
+
+
+class Updater:
+    """Steps `factory(masters)` for the trainable `params` of one stage."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        factory: Callable[..., torch.optim.Optimizer],
+        *,
+        mode: str = "device",
+        precision: str = "fp32",
+        budget: DeviceBudget | None = None,
+        pool: HostPool | None = None,
+        bucket_bytes: int = 32 << 20,
+        overflow_group: Any = None,
+    ) -> None:
+        if mode != "device" and pool is None:
+            raise ConfigError(f"optimizer offload mode {mode!r} needs a host pool")
+        self.params = params
+        self.mode = mode
+        self.half = precision != "fp32"
+        self.scaler = LossScaler() if precision == "fp16" else None
+        self.budget = budget
+        self.pool = pool
+        self.overflow_group = overflow_group
+        self.device = params[0].device if params else torch.device("cpu")
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda and mode != "device" else None
+        self.masters = self._make_masters()
+        self.optimizer = factory(self.masters)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer factory returned {type(self.optimizer).__name__}, "
+                f"not a torch.optim.Optimizer"
+            )
+        if mode == "host":  # torch picks the per-tensor loop for CPU tensors by default
+            for group in self.optimizer.param_groups:
+                if group.get("foreach", False) is None:
+                    group["foreach"] = True
+        self._buckets = _buckets(self.masters, bucket_bytes)
+        self._host_grads: list[torch.Tensor] = []
+        self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
+        self._armed = False
+        self._staging_peak = 0
+        self._inv_scale = 1.0
+        if mode == "host":
+            self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
+            self._install_stream_hooks()
+        self._account()
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _make_masters(self) -> list[torch.Tensor]:
+        if self.mode == "device" and not self.half:
+            return list(self.params)
+        masters = []
+        for p in self.params:
+            if self.mode == "device":
+                m = p.detach().float().clone()
+            else:
+                m = self._pool_empty(p, "master weights")
+                m.copy_(p.detach())
+            masters.append(nn.Parameter(m))
+        return masters
+
+    def _pool_empty(self, like: torch.Tensor, what: str) -> torch.Tensor:
+        assert self.pool is not None
+        return self.pool.empty(like.shape, torch.float32, what=f"optimizer {what}")
+
+    def _install_stream_hooks(self) -> None:
+        """Copy a bucket's gradients to the host as soon as the last backward finishes them."""
+        owner = {id(self.params[i]): b for b, bucket in enumerate(self._buckets) for i in bucket}
+        self._pending = [set(bucket) for bucket in self._buckets]
+        index = {id(p): i for i, p in enumerate(self.params)}
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            b = owner[id(p)]
+            self._pending[b].discard(index[id(p)])
+            if not self._pending[b] and b not in self._copied:
+                self._copy_grads(b)
+
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(hook)
+
+    def arm(self) -> None:
+        """The next backward is the step's last on this stage and nothing reduces the
+        gradients after it: stream them to the host as it finishes them."""
+        if self.mode == "host":
+            self._armed = True
+            self._pending = [set(bucket) for bucket in self._buckets]
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Update the parameters from their gradients; False if fp16 overflowed and the
+        step was skipped (on every rank)."""
+        self._armed = False
+        if self.mode == "device" and not self.half:
+            self.optimizer.step()
+        elif not self._step_masters():
+            self.zero_grad()
+            return False
+        self.zero_grad()
+        self._account()
+        return True
+
+    def _step_masters(self) -> bool:
+        if self.mode == "host":
+            for b in range(len(self._buckets)):
+                if b not in self._copied:
+                    self._copy_grads(b)
+        elif self.mode == "device":
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = None if p.grad is None else p.grad.detach().float()
+        if self.scaler is not None and not self._unscale():
+            return False
+        if self.mode == "device":
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters, strict=True):
+                    p.copy_(m)
+            return True
+        if self.mode == "host":
+            for b in range(len(self._buckets)):
+                self._host_bucket(b)
+        else:
+            staged = self._stage_in(self._buckets[0])
+            for b in range(len(self._buckets)):
+                following = b + 1 < len(self._buckets)
+                ahead = self._stage_in(self._buckets[b + 1]) if following else None
+                self._stream_bucket(b, staged, ahead)
+                staged = ahead
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        return True
+
+    def _copy_grads(self, b: int) -> None:
+        """Gradients of bucket `b` into their host buffers, as fp32."""
+        if self._stream is None:
+            for i in self._buckets[b]:
+                if self.params[i].grad is not None:
+                    self._host_grads[i].copy_(self.params[i].grad)
+            self._copied[b] = None
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for i in self._buckets[b]:
+                g = self.params[i].grad
+                if g is not None:
+                    self._host_grads[i].copy_(g, non_blocking=True)
+                    g.record_stream(self._stream)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._copied[b] = event
+
+    def _host_bucket(self, b: int) -> None:
+        event = self._copied.get(b)
+        if event is not None:
+            event.synchronize()
+        bucket = self._buckets[b]
+        self._grads_for(bucket, lambda i: self._host_grads[i] if self._has_grad(i) else None)
+        self.optimizer.step()
+        self._adopt_state(bucket)
+        if self._stream is None:
+            with torch.no_grad():
+                for i in bucket:
+                    self.params[i].copy_(self.masters[i])
+            return
+        with torch.cuda.stream(self._stream), torch.no_grad():
+            for i in bucket:
+                self.params[i].copy_(self.masters[i], non_blocking=True)
+
+    def _stream_bucket(self, b: int, staged: dict[int, Any], ahead: dict[int, Any] | None) -> None:
+        """Step bucket `b` on the device with its masters and state staged in (`ahead`: the
+        next bucket's, already on its way), then copy them back out to the host pool."""
+        bucket = self._buckets[b]
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(staged["ready"])
+        homes = {}
+        for i in bucket:
+            m = self.masters[i]
+            state = self.optimizer.state.get(m, {})
+            homes[i] = (m.data, {k: v for k, v in state.items() if _paged(v)})
+            m.data = staged[i]["master"]
+            for key, t in staged[i]["state"].items():
+                state[key] = t
+        self._grads_for(
+            bucket,
+            lambda i: None if self.params[i].grad is None else self._fp32_grad(self.params[i]),
+        )
+        self.optimizer.step()
+        with torch.no_grad():
+            for i in bucket:
+                self.params[i].copy_(self.masters[i])
+        self._note_staging(staged, ahead)
+        side = self._stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if side is not None else _nothing(), torch.no_grad():
+            for i in bucket:
+                m = self.masters[i]
+                home, home_state = homes[i]
+                home.copy_(m.data, non_blocking=side is not None)
+                if side is not None:
+                    m.data.record_stream(side)
+                m.data = home
+                state = self.optimizer.state[m]
+                for key, t in list(state.items()):
+                    if not _paged(t) or self.pool.owns(t):
+                        continue
+                    if key in home_state:
+                        home_state[key].copy_(t, non_blocking=side is not None)
+                        if side is not None:
+                            t.record_stream(side)
+                        state[key] = home_state[key]
+                    else:  # created by this (first) step: its home is new
+                        state[key] = self._to_pool(t)
+
+    def _stage_in(self, bucket: list[int]) -> dict[Any, Any]:
+        """Copies of a bucket's masters and state on the device (on a GPU, on the side
+        stream; "ready" is the event that says they have arrived)."""
+        side = self._stream
+        staged: dict[Any, Any] = {}
+        with torch.cuda.stream(side) if side is not None else _nothing():
+            for i in bucket:
+                m = self.masters[i]
+                state = {
+                    k: _to_device(v, self.device)
+                    for k, v in self.optimizer.state.get(m, {}).items()
+                    if _paged(v)
+                }
+                staged[i] = {"master": _to_device(m.data, self.device), "state": state}
+            if side is not None:
+                staged["ready"] = torch.cuda.Event()
+                staged["ready"].record(side)
+        return staged
+
+    def _note_staging(self, staged: dict[Any, Any], ahead: dict[Any, Any] | None) -> None:
+        nbytes = sum(
+            _nbytes(s["master"]) + sum(_nbytes(t) for t in s["state"].values())
+            for group in (staged, ahead or {})
+            for k, s in group.items()
+            if k != "ready"
+        )
+        self._staging_peak = max(self._staging_peak, nbytes)
+
+    def _grads_for(self, bucket: list[int], grad: Callable[[int], torch.Tensor | None]) -> None:
+        members = set(bucket)
+        for i, m in enumerate(self.masters):
+            m.grad = grad(i) if i in members else None
+
+    def _fp32_grad(self, p: torch.Tensor) -> torch.Tensor:
+        g = p.grad.float()
+        return g.mul_(self._inv_scale) if self.scaler is not None else g
+
+    def _has_grad(self, i: int) -> bool:
+        return self.params[i].grad is not None
+
+    def _unscale(self) -> bool:
+        """Divide gradients by the loss scale; False (everywhere) if any rank overflowed."""
+        assert self.scaler is not None
+        if self.mode == "host":
+            grads = [self._host_grads[i] for i in range(len(self.params)) if self._has_grad(i)]
+        elif self.mode == "device":
+            grads = [m.grad for m in self.masters if m.grad is not None]
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+        scale = self.scaler.scale
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([0.0 if finite else 1.0])
+        if dist.is_initialized() and dist.get_world_size(self.overflow_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.overflow_group)
+        overflow = bool(flag.item())
+        self.scaler.update(overflow)
+        if overflow:
+            return False
+        if self.mode == "stream":  # fp16 gradients: scaled when cast to fp32, per bucket
+            self._inv_scale = 1.0 / scale
+        elif grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        return True
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.masters is not self.params:
+            for m in self.masters:
+                m.grad = None
+        self._copied.clear()
+
+    # -- where the state lives --------------------------------------------------------------
+
+    def _adopt_state(self, indices: list[int]) -> None:
+        """Move optimizer state that torch created lazily into the host pool."""
+        for i in indices:
+            state = self.optimizer.state.get(self.masters[i], {})
+            for key, t in list(state.items()):
+                if _paged(t) and not self.pool.owns(t):
+                    state[key] = self._to_pool(t)
+
+    def _to_pool(self, t: torch.Tensor) -> torch.Tensor:
+        assert self.pool is not None
+        home = self.pool.empty(t.shape, t.dtype, what="optimizer state")
+        home.copy_(t)
+        return home
+
+    def host_bytes(self) -> int:
+        """Bytes of masters, gradients and state this updater keeps in the host pool."""
+        if self.mode == "device":
+            return 0
+        total = sum(_nbytes(m) for m in self.masters) + sum(_nbytes(g) for g in self._host_grads)
+        for state in self.optimizer.state.values():
+            total += sum(_nbytes(t) for t in state.values() if _paged(t))
+        return total
+
+    def device_bytes(self) -> int:
+        """Bytes of optimizer state (and masters) resident on the device between steps,
+        or staged there during a streamed step."""
+        if self.mode == "stream":
+            return self._staging_peak
+        if self.mode == "host":
+            return 0
+        total = 0
+        if self.half:
+            total += sum(2 * _nbytes(m) for m in self.masters)  # masters and their fp32 grads
+        for state in self.optimizer.state.values():
+            total += sum(_nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
+        return total
+
+    def _account(self) -> None:
+        if self.budget is not None:
+            self.budget.set("optimizer", self.device_bytes(), "the optimizer step")
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's own state_dict (tensors copied out of the pool), the fp32
+        masters when they differ from the parameters, and the loss scale."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        sd = self.optimizer.state_dict()
+        sd["state"] = {
+            k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            for k, s in sd["state"].items()
+        }
+        masters = None
+        if self.masters is not self.params and self.half:
+            masters = [m.detach().clone() for m in self.masters]
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return {"optimizer": sd, "masters": masters, "loss_scale": scaler}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        masters = state.get("masters")
+        with torch.no_grad():
+            if masters is not None:
+                for m, saved in zip(self.masters, masters, strict=True):
+                    m.copy_(saved)
+            elif self.masters is not self.params:  # fp32 masters are the parameters' values
+                for p, m in zip(self.params, self.masters, strict=True):
+                    m.copy_(p)
+        if self.scaler is not None and state.get("loss_scale") is not None:
+            self.scaler.load_state_dict(state["loss_scale"])
+        if self.mode != "device":
+            self._adopt_state(list(range(len(self.masters))))
+        self._account()
+
+    def sync_from_params(self) -> None:
+        """Masters take the parameters' values (after the parameters were loaded)."""
+        if self.masters is self.params:
+            return
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.copy_(p)
+
+
+def _paged(t: Any) -> bool:
+    """Whether a state entry is per-parameter data (paged out), not a scalar like 'step'."""
+    return isinstance(t, torch.Tensor) and t.dim() > 0
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty_like(t, device=device)
+    out.copy_(t, non_blocking=device.type == "cuda")
+    return out
+
+
+def _nothing() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _buckets(masters: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices in buckets of about `bucket_bytes` of fp32, last layer first
+    (the order backward finishes them)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(masters))):
+        nbytes = masters[i].numel() * 4
+        if buckets and size + nbytes <= bucket_bytes:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
+    return buckets

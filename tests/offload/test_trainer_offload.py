@@ -1,0 +1,182 @@
+"""Offload through the Trainer: same results, less device memory, clear errors.
+
+The multi-process cases (2 and 4 stages, data parallel, tied weights) are in
+tests/runtime/test_pipeline.py; these run one stage in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import myelin
+from myelin.models import GPT, GPTConfig, lm_loss
+
+OFFLOADS = {
+    "none": None,
+    "act": myelin.OffloadConfig(activations=True, min_bytes=0),
+    "opt": myelin.OffloadConfig(optimizer=True, bucket_bytes="16KiB"),
+    "stream": myelin.OffloadConfig(optimizer="stream", bucket_bytes="16KiB"),
+    "both": myelin.OffloadConfig(activations=True, optimizer=True, min_bytes=0),
+}
+
+# Activations dominate: 8 microbatches of 2 x 128 tokens all in flight (GPipe) on a
+# 2-layer, 64-wide GPT: about 18 MB of saved activations against 1.9 MB of parameters,
+# gradients and AdamW state.
+BIG = GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, d_model=64)
+SMALL = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, d_model=32)
+
+
+def train(cfg, steps=3, schedule="gpipe", save=None, load=None, **kw):
+    """Losses, final parameters and memory stats of a one-stage Trainer on fixed batches."""
+    torch.manual_seed(0)
+    trainer = myelin.Trainer(
+        GPT(cfg),
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+        lm_loss,
+        microbatches=8,
+        schedule=schedule,
+        **kw,
+    )
+    with trainer:
+        if load is not None:
+            trainer.load(load)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(steps):
+            x = torch.randint(0, cfg.vocab_size, (16, cfg.block_size + 1), generator=g)
+            if step < trainer.steps_done:
+                continue
+            losses.append(trainer.step(x[:, :-1], x[:, 1:]))
+            if save is not None and trainer.steps_done == save[1]:
+                trainer.save(save[0])
+        params = [p.detach().clone() for p in trainer.module.parameters()]
+        return losses, params, trainer.memory_stats()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "message-driven"])
+def test_every_offload_trains_bit_identically(schedule):
+    base_losses, base_params, _ = train(SMALL, schedule=schedule)
+    for name, offload in OFFLOADS.items():
+        losses, params, stats = train(SMALL, schedule=schedule, offload=offload)
+        assert losses == base_losses, name
+        assert all(torch.equal(a, b) for a, b in zip(params, base_params, strict=True)), name
+        if name in ("act", "both") and schedule == "gpipe":
+            assert stats["activations_offloaded_bytes"] > 0
+        if name in ("opt", "stream", "both"):
+            assert stats["optimizer_host_bytes"] > 0
+
+
+def test_over_the_device_limit_only_offload_trains():
+    limit = "6MiB"
+    with pytest.raises(myelin.DeviceMemoryError) as err:
+        train(BIG, device_memory_limit=limit)
+    text = str(err.value)
+    assert "device_memory_limit=6 MiB" in text and "OffloadConfig(activations=True)" in text
+    assert "activations" in text and "rank 0 (stage 0)" in text
+
+    both = myelin.OffloadConfig(activations=True, optimizer=True)
+    losses, params, stats = train(BIG, device_memory_limit=limit, offload=both)
+    ref_losses, ref_params, ref_stats = train(BIG)
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    assert stats["device_peak_measured_by"] == "accounting"
+    assert stats["device_peak_bytes"] <= 6 << 20
+    assert 4 * stats["device_peak_bytes"] <= ref_stats["device_peak_bytes"], (stats, ref_stats)
+
+
+def test_memory_stats_report_what_moved():
+    both = myelin.OffloadConfig(activations=True, optimizer=True)
+    _, _, stats = train(BIG, offload=both)
+    for key in (
+        "device_peak_bytes",
+        "host_pool_peak_bytes",
+        "activations_offloaded_bytes",
+        "optimizer_host_bytes",
+        "prefetch_hits",
+        "prefetch_misses",
+        "offload_wait_seconds",
+    ):
+        assert key in stats, key
+    params = sum(p.numel() for p in GPT(BIG).parameters())
+    assert stats["optimizer_host_bytes"] >= 16 * params  # fp32 master, grad, exp_avg, exp_avg_sq
+    assert stats["activations_offloaded_bytes"] > stats["device_peak_bytes"]
+    assert stats["host_pool_peak_bytes"] >= stats["optimizer_host_bytes"]
+    assert stats["prefetch_hits"] > stats["prefetch_misses"] > 0  # the first backward waits
+    assert stats["host_pool_in_use_bytes"] == stats["optimizer_host_bytes"]  # pages all freed
+
+
+def test_the_pool_stops_growing_after_the_first_step():
+    both = myelin.OffloadConfig(activations=True, optimizer=True, min_bytes=0)
+    torch.manual_seed(0)
+    with myelin.Trainer(
+        GPT(SMALL),
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+        lm_loss,
+        microbatches=4,
+        schedule="gpipe",
+        offload=both,
+    ) as trainer:
+        x = torch.randint(0, 64, (8, 33))
+        trainer.step(x[:, :-1], x[:, 1:])
+        after_first = (trainer.pool.grows, trainer.pool.capacity_bytes)
+        for _ in range(4):
+            trainer.step(x[:, :-1], x[:, 1:])
+        assert (trainer.pool.grows, trainer.pool.capacity_bytes) == after_first
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_is_unchanged_by_offload(precision):
+    base_losses, base_params, _ = train(SMALL, precision=precision)
+    assert base_params[0].dtype == myelin.precision.DTYPES[precision]
+    for name in ("act", "opt", "stream", "both"):
+        losses, params, stats = train(SMALL, precision=precision, offload=OFFLOADS[name])
+        assert losses == base_losses, name
+        assert all(torch.equal(a, b) for a, b in zip(params, base_params, strict=True)), name
+        assert stats["precision"] == precision
+
+
+def test_half_precision_tracks_fp32():
+    """bf16 rounds activations and weights to 8 bits of mantissa; fp32 master weights keep
+    the updates, so the losses stay within a few hundredths of fp32's."""
+    fp32, _, _ = train(SMALL, steps=6)
+    for precision in ("bf16", "fp16"):
+        half, _, stats = train(SMALL, steps=6, precision=precision)
+        assert max(abs(a - b) for a, b in zip(half, fp32, strict=True)) < 0.03, precision
+    assert stats["loss_scale"] == 2.0**16 and stats["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_resumes_offloaded_training_exactly(tmp_path, precision):
+    both = myelin.OffloadConfig(activations=True, optimizer=True, min_bytes=0)
+    whole, _, _ = train(SMALL, steps=5, offload=both, precision=precision)
+    first, _, _ = train(SMALL, steps=2, offload=both, precision=precision, save=(tmp_path, 2))
+    rest, _, _ = train(SMALL, steps=5, offload=both, precision=precision, load=tmp_path)
+    assert first + rest == whole
+    shard = torch.load(tmp_path / "step-00000002" / "rank0.pt", weights_only=True)
+    state = shard["optimizer"]["optimizer"]["state"][0]["exp_avg"]
+    assert state.untyped_storage().nbytes() == state.numel() * 4  # a copy, not a pool slab
+    assert (shard["optimizer"]["masters"] is not None) == (precision != "fp32")
+
+
+def test_a_full_host_pool_names_its_limit():
+    small = myelin.OffloadConfig(activations=True, host_memory_limit="1MiB", slab_bytes="1MiB")
+    with pytest.raises(myelin.HostMemoryError, match="host_memory_limit"):
+        train(BIG, offload=small)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"offload": {"activations": True}}, "offload="),
+        ({"precision": "fp8"}, "precision='fp8'"),
+        ({"device_memory_limit": "lots"}, "device_memory_limit"),
+        ({"device_memory_limit": -1}, "device_memory_limit"),
+        ({"offload": myelin.OffloadConfig(optimizer="stream"), "precision": "half"}, "precision"),
+    ],
+)
+def test_bad_memory_settings_are_named(kwargs, text):
+    with pytest.raises(myelin.ConfigError, match=text.replace("(", r"\(")):
+        myelin.Trainer(GPT(SMALL), torch.optim.AdamW, lm_loss, **kwargs)
