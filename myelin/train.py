@@ -36,6 +36,8 @@ from tqdm import tqdm
 from myelin.data import VOCAB_SIZE, Batches, TextData, decode, encode, load_stdlib_text
 from myelin.errors import ConfigError
 from myelin.models.gpt import GPT, GPTConfig, lm_loss
+from myelin.offload.config import PRECISIONS, OffloadConfig
+from myelin.offload.pool import parse_bytes
 from myelin.profile.report import ProfileConfig, account, gather_report
 from myelin.profile.timeline import Timeline
 from myelin.runtime.schedule import SCHEDULES
@@ -99,6 +101,21 @@ class TrainConfig:
     stages: int = _opt(2, "pipeline", "pipeline stages (processes per replica)", Range(1, 1024))
     data_parallel: int = _opt(1, "pipeline", "replicas of the pipeline", Range(1, 1024))
     schedule: str = _opt("message-driven", "pipeline", "operation order", choices=SCHEDULES)
+    offload_activations: str = _opt(
+        "on", "memory", "page saved activations out to host memory", choices=("on", "off")
+    )
+    offload_optimizer: str = _opt(
+        "on",
+        "memory",
+        "keep optimizer state and fp32 master weights in host memory; on = host on a CPU, "
+        "stream on a GPU",
+        choices=("on", "off", "host", "stream"),
+    )
+    precision: str = _opt("fp32", "memory", "training precision", choices=PRECISIONS)
+    device_memory_limit: str | None = _opt(None, "memory", "cap each rank's device, e.g. 6GiB")
+    host_memory_limit: str | None = _opt(
+        None, "memory", "cap each rank's host pool, e.g. 16GiB; default 80%% of free memory"
+    )
     steps: int = _opt(2000, "optimization", "training steps, at most", Range(1, BIG))
     lr: float = _opt(2e-3, "optimization", "peak learning rate (AdamW)", POSITIVE)
     min_lr: float = _opt(2e-4, "optimization", "learning rate after cosine decay", Range(0, 1))
@@ -143,6 +160,17 @@ class TrainConfig:
             raise ConfigError(f"min_lr={self.min_lr} must not exceed lr={self.lr}")
         if not self.prompt:
             raise ConfigError("prompt='' must hold at least one character")
+        parse_bytes(self.device_memory_limit, "device_memory_limit")
+        self.offload()  # checks host_memory_limit
+
+    def offload(self) -> OffloadConfig:
+        """The offload settings these options ask for."""
+        optimizer = {"on": True, "off": False}.get(self.offload_optimizer, self.offload_optimizer)
+        return OffloadConfig(
+            activations=self.offload_activations == "on",
+            optimizer=optimizer,
+            host_memory_limit=self.host_memory_limit,
+        )
 
     @property
     def world_size(self) -> int:
@@ -183,7 +211,7 @@ def _check_field(cfg: TrainConfig, f: dataclasses.Field) -> None:
 # -- command line and TOML ---------------------------------------------------------
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_GROUPS = ("model", "pipeline", "optimization", "logging", "data", "sampling", "run")
+_GROUPS = ("model", "pipeline", "memory", "optimization", "logging", "data", "sampling", "run")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -311,6 +339,9 @@ def train(cfg: TrainConfig) -> None:
         schedule=cfg.schedule,
         profile=ProfileConfig(print_summary=False),  # this job prints its own summary
         resume=Path(cfg.resume) / "checkpoint" if cfg.resume else None,
+        offload=cfg.offload(),
+        precision=cfg.precision,
+        device_memory_limit=cfg.device_memory_limit,
     )
     with trainer:
         run_dir = _agree_run_dir(cfg, trainer)
@@ -554,11 +585,15 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
     """Every rank hands in its timeline and its stage's weights; rank 0 reports and samples."""
     report = gather_report(trainer.timeline, trainer.world)  # collective, JSON via the store
     state = trainer.state_dict()  # collective: the whole model on rank 0, None elsewhere
+    memory = trainer.memory_stats()
+    (run_dir / "memory").mkdir(exist_ok=True)
+    (run_dir / "memory" / f"rank{trainer.rank}.json").write_text(json.dumps(memory, indent=1))
     if trainer.rank != 0:
         return
     report.save(run_dir / "profile")  # summary, trace, PNG timeline, raw records
     torch.save(state, run_dir / "model.pt")
     _say("where the time went:\n" + report.format())
+    _say(_memory_line(memory))
     (first_step, first), (last_step, last) = val_curve[0], val_curve[-1]
     _say(f"validation loss {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step})")
     if cfg.sample_tokens:
@@ -571,6 +606,19 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
         shown = "\n".join(f"  | {line}" for line in text.splitlines()[:12])
         _say(f"sample (temperature {cfg.temperature}, top-k {cfg.top_k}):\n{shown}")
     _say(f"run directory: {run_dir} (profile/trace.json opens in Perfetto)")
+
+
+def _memory_line(m: dict[str, Any]) -> str:
+    """Rank 0's memory in one line (every rank's is in memory/rankN.json)."""
+    mib = 1 << 20
+    return (
+        f"memory (rank 0): device peak {m['device_peak_bytes'] / mib:.1f} MiB "
+        f"({m['device_peak_measured_by']}), host pool peak {m['host_pool_peak_bytes'] / mib:.1f} "
+        f"MiB; per step {m['activations_offloaded_bytes'] / mib:.1f} MiB of activations paged "
+        f"out, optimizer {m['optimizer_mode']} ({m['optimizer_host_bytes'] / mib:.1f} MiB on the "
+        f"host); prefetch hits {m['prefetch_hits']}, misses {m['prefetch_misses']}, backward "
+        f"waited {m['offload_wait_seconds']:.2f}s"
+    )
 
 
 @torch.no_grad()

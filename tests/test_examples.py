@@ -70,3 +70,26 @@ def test_hf_gpt2_example_learns_and_leaves_a_plain_tied_model(tmp_path):
     vals = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", res.stdout)]
     assert len(vals) == 2 and vals[-1] < vals[0], res.stdout
     assert "embedding and head tied: True" in res.stdout
+
+
+def _run_example(tmp_path, *args, timeout=240):
+    cmd = [sys.executable, "-m", "myelin.cli", "run", "-n", "2", *map(str, args)]
+    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env
+    )
+
+
+def test_large_model_example_needs_offload_and_trains_with_it(tmp_path):
+    script = EXAMPLES / "large_model_offload.py"
+    res = _run_example(tmp_path, script, "--steps", "10")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
+    assert len(losses) == 2 and losses[-1] < losses[0], res.stdout
+    peaks = [float(x) for x in re.findall(r"device peak (\d+\.\d+) MiB", res.stdout)]
+    assert len(peaks) == 2 and max(peaks) <= 32, res.stdout  # under the 32MiB limit
+
+    res = _run_example(tmp_path, script, "--steps", "2", "--no-offload")
+    assert res.returncode != 0
+    assert "DeviceMemoryError" in res.stderr and "device_memory_limit=32 MiB" in res.stderr
+    assert "OffloadConfig(activations=True)" in res.stderr

@@ -112,6 +112,11 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
     assert (out_dir / "profile" / "timeline.png").stat().st_size > 10_000
     assert (out_dir / "profile" / "trace.json").exists()
     assert "step" in err  # the progress bar, on stderr
+    # Offload is on by default: stage 0 pages activations out, both keep AdamW on the host.
+    memory = [json.loads((out_dir / "memory" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert memory[0]["activations_offloaded_total_bytes"] > 0
+    assert all(m["optimizer_mode"] == "host" and m["optimizer_host_bytes"] > 0 for m in memory)
+    assert "memory (rank 0): device peak" in out
 
 
 def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
@@ -200,6 +205,10 @@ def test_unknown_toml_key_is_named(tmp_path):
         ({"d_model": 30, "n_head": 4}, r"d_model=30 must be divisible by n_head=4"),
         ({"batch": 10, "microbatches": 4}, r"batch=10 must split evenly into microbatches=4"),
         ({"stages": 5, "n_layer": 2}, r"stages=5 exceeds the model's 4 layers"),
+        ({"offload_optimizer": "gpu"}, r"offload_optimizer='gpu' must be one of on, off"),
+        ({"precision": "fp8"}, r"precision='fp8' must be one of fp32, bf16, fp16"),
+        ({"device_memory_limit": "6 gigs"}, r"device_memory_limit"),
+        ({"host_memory_limit": "0"}, r"host_memory_limit"),
     ],
 )
 def test_bad_values_are_named(values, message):
