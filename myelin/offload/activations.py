@@ -51,6 +51,7 @@ class _Page:
 
     host: torch.Tensor  # uint8, in the pool
     nbytes: int
+    mb: int
     device_copy: torch.Tensor | None = None  # uint8, on the device
     ready: Any = None  # a CUDA event: the page's last copy is done
     early: bool = False  # fetched by `prefetch_ahead` rather than at backward
@@ -135,7 +136,8 @@ class ActivationStore:
                     return self._keep(entry, t, ptr, mb)
                 page = self._page_out(storage, size, mb)
                 entry.pages.append(page)
-                paged[ptr] = (weakref.ref(t), page)
+                base = t if t._base is None else t._base  # lives as long as the storage's owner
+                paged[ptr] = (weakref.ref(base), page)
             return _View(page, t.dtype, t.shape, t.stride(), t.storage_offset())
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
@@ -156,7 +158,7 @@ class ActivationStore:
         assert self.pool is not None
         host = self.pool.empty((nbytes,), torch.uint8, what=f"activations of microbatch {mb}")
         src = _bytes_of(storage)
-        page = _Page(host, nbytes)
+        page = _Page(host, nbytes, mb)
         if self._stream is None:
             host.copy_(src)
         else:
@@ -226,6 +228,8 @@ class ActivationStore:
         page = view.page
         if page.device_copy is None:  # not fetched: a schedule this store did not foresee
             start = time.perf_counter()
+            entry = self._mbs[page.mb]
+            self._grow(entry, page.nbytes, f"bringing back microbatch {page.mb}")
             page.device_copy = page.host.to(self.device, copy=True)
             self.stats.prefetch_misses += 1
             self.stats.wait_s += time.perf_counter() - start

@@ -55,10 +55,11 @@ class OffloadConfig:
             raise ConfigError(f"OffloadConfig.prefetch={self.prefetch!r} must be an int in [0, 64]")
         _bytes(self, "min_bytes", allow_zero=True)
         _bytes(self, "host_memory_limit", allow_none=True)
+        slab = self.slab_bytes
         _bytes(self, "slab_bytes")
         _bytes(self, "bucket_bytes")
         if self.slab_bytes < 1 << 20:
-            raise ConfigError(f"OffloadConfig.slab_bytes={self.slab_bytes} must be at least 1MiB")
+            raise ConfigError(f"OffloadConfig.slab_bytes={slab!r} must be at least 1MiB")
 
     @property
     def enabled(self) -> bool:
@@ -82,8 +83,10 @@ class OffloadConfig:
 
 def _bytes(cfg: Any, name: str, allow_zero: bool = False, allow_none: bool = False) -> None:
     value = getattr(cfg, name)
-    if value is None and allow_none:
-        return
+    if value is None:
+        if allow_none:
+            return
+        raise ConfigError(f"OffloadConfig.{name}=None must be a byte count, e.g. 4096 or '64KiB'")
     if allow_zero and value == 0 and type(value) is int:
         return
     object.__setattr__(cfg, name, parse_bytes(value, f"OffloadConfig.{name}"))

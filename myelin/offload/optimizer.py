@@ -67,7 +67,10 @@ class Updater:
                 f"optimizer factory returned {type(self.optimizer).__name__}, "
                 f"not a torch.optim.Optimizer"
             )
-        if mode == "host":  # torch picks the per-tensor loop for CPU tensors by default
+        if mode == "host" and self.device.type == "cuda":
+            # The update runs on host tensors, for which torch would pick its per-tensor
+            # loop; use the foreach kernels a device-side update would use. (On a CPU
+            # machine the default stays, so offload matches no offload bit for bit.)
             for group in self.optimizer.param_groups:
                 if group.get("foreach", False) is None:
                     group["foreach"] = True
@@ -80,6 +83,8 @@ class Updater:
         if mode == "host":
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
             self._install_stream_hooks()
+        if mode != "device":  # state some optimizers create eagerly (Adagrad's sum)
+            self._adopt_state(list(range(len(self.masters))))
         self._account()
 
     # -- building ---------------------------------------------------------------------------
@@ -386,6 +391,11 @@ class Updater:
         return {"optimizer": sd, "masters": masters, "loss_scale": scaler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.pool is not None:  # the loaded state replaces what the pool holds now
+            for entry in self.optimizer.state.values():
+                for t in entry.values():
+                    if isinstance(t, torch.Tensor) and self.pool.owns(t):
+                        self.pool.free(t)
         self.optimizer.load_state_dict(state["optimizer"])
         masters = state.get("masters")
         with torch.no_grad():

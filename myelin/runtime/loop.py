@@ -24,6 +24,7 @@ import torch
 from myelin.errors import ConfigError, DeadlineError, MyelinError, RemoteError
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.optimizer import Updater
+from myelin.offload.pool import HostPool
 from myelin.profile.timeline import Timeline
 from myelin.runtime.group import World, average_gradients, sum_gradients
 from myelin.runtime.messages import Message
@@ -91,7 +92,12 @@ class EventLoop:
         self._step = 0
         self._early: list[Message] = []
         self._outbox: list[tuple[Any, int, Message]] = []  # (copy event, dst, message)
-        self._copy_stream = torch.cuda.Stream(stage.device) if stage.device.type == "cuda" else None
+        cuda = stage.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(stage.device) if cuda else None
+        # Pinned host buffers that outgoing tensors are copied into on a GPU, from a pool
+        # so nothing is pinned in the hot path; freed once the step's sends have left.
+        self._staging = HostPool(pin=True, slab_bytes=16 << 20) if cuda else None
+        self._staged: list[torch.Tensor] = []
 
     # -- one step ------------------------------------------------------------
 
@@ -377,7 +383,8 @@ class EventLoop:
         with torch.cuda.stream(self._copy_stream):
             host = []
             for t in tensors:
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf = self._staging.empty(t.shape, t.dtype, what="an outgoing message")
+                self._staged.append(buf)
                 buf.copy_(t, non_blocking=True)
                 t.record_stream(self._copy_stream)
                 host.append(buf)
@@ -430,6 +437,9 @@ class EventLoop:
                     f"messages were not taken by their peers within {self.config.timeout_s:.0f}s"
                 )
             self._handle(self._wait(0.001), None)
+        for buf in self._staged:
+            self._staging.free(buf)
+        self._staged.clear()
 
     def _handle(self, messages: list[Message], ready: Ready | None) -> None:
         for msg in messages:
