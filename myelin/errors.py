@@ -9,6 +9,7 @@ __all__ = [
     "PartitionError",
     "DeadlineError",
     "RemoteError",
+    "PeerLostError",
     "DeviceMemoryError",
     "HostMemoryError",
 ]
@@ -46,6 +47,16 @@ class RemoteError(MyelinError):
         super().__init__(f"rank {rank} failed: {detail}")
         self.rank = rank
         self.detail = detail
+
+
+class PeerLostError(MyelinError):
+    """A peer rank died or stopped answering; `rank` is the lost rank, `doing` what it was
+    last doing. Every surviving rank raises it and stops."""
+
+    def __init__(self, rank: int, doing: str, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.doing = doing
 
 
 class DeviceMemoryError(MyelinError, MemoryError):

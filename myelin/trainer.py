@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +24,14 @@ from torch import nn
 
 from myelin import checkpoint
 from myelin import fit as fit_loop
-from myelin.errors import ConfigError, MyelinError, PartitionError, RemoteError
+from myelin.errors import (
+    ConfigError,
+    DeviceMemoryError,
+    MyelinError,
+    PartitionError,
+    PeerLostError,
+    RemoteError,
+)
 from myelin.init import is_meta, materialize
 from myelin.offload.activations import ActivationStore
 from myelin.offload.budget import DeviceBudget
@@ -33,6 +43,7 @@ from myelin.precision import compute_dtype
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileConfig, ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
+from myelin.runtime.flight import FlightRecorder, default_dir
 from myelin.runtime.group import (
     Layout,
     World,
@@ -42,6 +53,7 @@ from myelin.runtime.group import (
     new_groups,
     pick_device,
 )
+from myelin.runtime.liveness import Liveness
 from myelin.runtime.loop import EventLoop, LoopConfig
 from myelin.runtime.schedule import SCHEDULES, make_policy
 from myelin.runtime.stage import Stage
@@ -129,6 +141,9 @@ class Trainer:
     device_memory_limit: bytes or "6GiB" this rank may use on its device. On a GPU it caps
         torch's allocator; elsewhere the runtime adds up parameters, gradients, optimizer
         state and saved activations and raises myelin.DeviceMemoryError past it.
+    run_dir: where a failing rank writes its flight record (run_dir/flight/rankN.json):
+        its last messages and operations. Default $MYELIN_RUN_DIR/flight, else
+        ./myelin-flight.
     Other keyword arguments are the fields of `PipelineConfig`.
     """
 
@@ -152,6 +167,7 @@ class Trainer:
         offload: OffloadConfig | None = None,
         precision: str = "fp32",
         device_memory_limit: int | str | None = None,
+        run_dir: str | os.PathLike | None = None,
     ) -> None:
         self.config = PipelineConfig(
             stages=stages,
@@ -176,6 +192,7 @@ class Trainer:
         self.offload = offload if offload is not None else OffloadConfig()
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
+        self.flight_dir = Path(run_dir) / "flight" if run_dir is not None else default_dir()
         cfg = self.config
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
@@ -186,6 +203,8 @@ class Trainer:
         self._closed = False
         self._failed: BaseException | None = None
         self.transport: Transport | None = None
+        self.liveness: Liveness | None = None
+        self._old_sigterm: Any = None
         self.world: World = init_world(layout, pick_device(device), cfg.timeout)
         try:
             self._build(model, optimizer, loss_fn)
@@ -215,6 +234,24 @@ class Trainer:
                 world.peer(s) for s in (world.stage - 1, world.stage + 1) if 0 <= s < cfg.stages
             ]
             self.transport.connect(peers)
+        self.flight = FlightRecorder(world.rank)
+        if self.transport is not None:
+            t = cfg.transport
+            self.liveness = Liveness(
+                world.rank,
+                world.layout.world_size,
+                self._describe_rank,
+                world.store,
+                self.transport,
+                self.flight,
+                heartbeat_s=t.heartbeat_s,
+                peer_timeout_s=t.peer_timeout_s,
+                exit_after_loss_s=t.exit_after_loss_s,
+                connect_timeout_s=t.connect_timeout_s,
+                prefix=f"myelin/t{generation}",
+                flight_dir=lambda: self.flight_dir,
+            )
+            self._catch_sigterm()
         stage = Stage(
             self.module, world.stage, cfg.stages, world.device, loss_fn, activations, dtype
         )
@@ -228,6 +265,8 @@ class Trainer:
             tied=tied,
             budget=self.budget,
         )
+        self.loop.flight = self.flight
+        self.loop.liveness = self.liveness
         profiling = self._profile is not None
         self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
         self.loop.timeline = self.timeline
@@ -388,13 +427,11 @@ class Trainer:
         mb_targets = split_batch(targets, m, "targets")
         try:
             loss = self.loop.run_step(self._seq, mb_inputs, mb_targets)
-        except torch.OutOfMemoryError as exc:
-            error = self.budget.describe_oom(exc, f"training step {self.steps_done}")
-            self._fail(error)
-            raise error from exc
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            error = self._fail(exc, f"training step {self.steps_done}")
+            if error is exc:
+                raise
+            raise error from exc
         self._seq += 1
         self.steps_done += 1
         return loss
@@ -412,8 +449,10 @@ class Trainer:
         try:
             loss = self.loop.run_eval(self._seq, mb_inputs, mb_targets)
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            error = self._fail(exc, f"evaluation step {self._seq}")
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             self.module.train()
         self._seq += 1
@@ -474,20 +513,66 @@ class Trainer:
                 f"an earlier step failed and left the pipeline broken: {self._failed}"
             ) from self._failed
 
-    def _fail(self, exc: BaseException) -> None:
-        self._failed = exc
-        if not isinstance(exc, RemoteError):
-            self._abort(exc)
+    def _fail(self, exc: BaseException, doing: str) -> BaseException:
+        """Turn a failure into the error to raise: a lost peer (found by heartbeats) or an
+        exhausted device named as such. Tell the other ranks, and write the flight record
+        (its last lines go into the error's notes)."""
+        error = exc
+        if isinstance(exc, torch.OutOfMemoryError):
+            error = self.budget.describe_oom(exc, doing)
+        lost = self.liveness.find_lost() if self.liveness is not None else None
+        if lost is not None and not isinstance(exc, (PeerLostError, DeviceMemoryError)):
+            self.liveness.acknowledged = True
+            error = PeerLostError(lost.rank, lost.doing, str(lost))
+        self._failed = error
+        if not isinstance(error, RemoteError):
+            self._abort(error)
+        if isinstance(error, Exception):
+            self.flight.note(f"failed in {doing}: {type(error).__name__}")
+            try:
+                path = self.flight.dump(self.flight_dir, error)
+                where = f"written to {path}"
+            except OSError as write_exc:
+                where = f"could not be written to {self.flight_dir}: {write_exc}"
+            error.add_note(
+                f"flight record of rank {self.rank}, last events:\n{self.flight.summary()}\n"
+                f"(whole record {where})"
+            )
+        return error
+
+    def _describe_rank(self, rank: int) -> str:
+        layout = self.world.layout
+        return f"stage {rank % layout.stages}, replica {rank // layout.stages}"
+
+    def _catch_sigterm(self) -> None:
+        """Launchers stop every rank with SIGTERM when one fails; raise the reason instead
+        of dying silently: PeerLostError when a peer is gone."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the user's own handler stays
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            lost = self.liveness.find_lost() if self.liveness is not None else None
+            if lost is not None:
+                self.liveness.acknowledged = True
+                raise PeerLostError(lost.rank, lost.doing, str(lost))
+            raise MyelinError(f"rank {self.rank} got SIGTERM while {self.flight.doing}")
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
 
     def _abort(self, exc: BaseException) -> None:
         """Tell every other rank this one failed, so none waits for it until a timeout."""
         if self.transport is None:
             return
         detail = f"{type(exc).__name__}: {exc}"[:2000]
+        meta: dict[str, Any] = {"op": "abort", "error": detail}
+        if isinstance(exc, PeerLostError):
+            meta.update(lost=exc.rank, doing=exc.doing[:200])
         for r in range(self.world_size):
             if r != self.rank:
                 try:
-                    self.transport.send_control(r, {"op": "abort", "error": detail})
+                    self.transport.send_control(r, meta)
                 except Exception as send_exc:  # best effort: the peer may be gone too
                     log.debug("rank %d: could not tell rank %d: %s", self.rank, r, send_exc)
 
@@ -501,6 +586,10 @@ class Trainer:
             self._report = finish_profile(
                 self.timeline, self.world, self.sampler, self._profile, failed=failed
             )
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        if self.liveness is not None:
+            self.liveness.close()
         if self.transport is not None:
             self.transport.close()
         close_world(self.world)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from myelin.errors import ConfigError
+from myelin.runtime.liveness import host_id
 
 __all__ = [
     "Layout",
@@ -177,7 +177,7 @@ def new_groups(world: World, stage_sets: list[tuple[int, ...]]) -> dict[tuple[in
 
 def _all_same_host(store: Any, rank: int, world_size: int, timeout_s: float) -> bool:
     """Whether every rank runs on this host (then ipc:// and shared memory are usable)."""
-    me = socket.gethostname()
+    me = host_id()  # network namespaces count as hosts: abstract ipc sockets are per netns
     store.set(f"myelin/host/{rank}", me)
     keys = [f"myelin/host/{r}" for r in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout_s))

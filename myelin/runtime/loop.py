@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
-from myelin.errors import ConfigError, DeadlineError, MyelinError, RemoteError
+from myelin.errors import ConfigError, DeadlineError, MyelinError, PeerLostError, RemoteError
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.optimizer import Updater
 from myelin.offload.pool import HostPool
 from myelin.profile.timeline import Timeline
+from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.group import World, average_gradients, sum_gradients
 from myelin.runtime.messages import Message
 from myelin.runtime.schedule import Action, Policy, Ready
@@ -87,6 +88,8 @@ class EventLoop:
             p.numel() * p.element_size() for p in stage.module.parameters() if p.requires_grad
         )
         self.stats = LoopStats()
+        self.flight = FlightRecorder(world.rank)  # the trainer shares its own
+        self.liveness: Any = None  # heartbeats (runtime/liveness.py), when peers exist
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         self._step = 0
@@ -130,10 +133,13 @@ class EventLoop:
             stage.clear()
             raise
         loss = sum(self._losses[i] for i in range(m)) / m
+        self.flight.now(f"reducing gradients at the end of step {step}")
         self._sum_tied()
         loss = self._average_replicas(loss)
         if self.updater is not None:
+            self.flight.now(f"in the optimizer step of step {step}")
             self._update(step)
+        self.flight.now(f"between steps (step {step} done)")
         if self.budget is not None:
             self.budget.set("gradients", 0, "")
         return loss
@@ -251,6 +257,7 @@ class EventLoop:
             if self.transport is None:
                 raise MyelinError(f"one-rank loop has nothing to run: {ready}")
             self._prefetch()
+            self.flight.now(f"waiting to run {self.policy.waiting_for(ready)} in step {self._step}")
             wait = self.config.poll_s if not self._outbox else 0.0005
             messages = self._wait(wait)
             if messages:
@@ -269,7 +276,10 @@ class EventLoop:
         return messages
 
     def _wait(self, timeout_s: float, cause: str = "bubble") -> list[Message]:
-        """Poll the inbox with nothing to run; the time is idle, recorded with its cause."""
+        """Poll the inbox with nothing to run; the time is idle, recorded with its cause.
+        Every wait first makes sure no peer was lost."""
+        if self.liveness is not None:
+            self.liveness.check()
         start = self.timeline.now()
         with self.timeline.range(f"{self.stage.index}WAIT"):
             messages = self.transport.poll(timeout_s)
@@ -294,6 +304,8 @@ class EventLoop:
         mb = action.microbatch
         stage = self.stage
         kind = "forward" if action.kind == "F" else "backward"
+        self.flight.now(f"running {action} ({kind} of microbatch {mb}) in step {self._step}")
+        self.flight.note(f"run {action}")
         timed = self.timeline.op(kind, str(action), self._step, microbatch=mb)
         if action.kind == "F":
             ready.forward.discard(mb)
@@ -396,6 +408,7 @@ class EventLoop:
     def _transmit(self, dst: int, msg: Message) -> None:
         start = self.timeline.now()
         self.transport.send(dst, msg)
+        self.flight.note(f"send {msg.kind} of microbatch {msg.microbatch} to rank {dst}")
         if self.timeline.enabled:
             nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
             self._comm_span("send", "SEND", msg, dst, start, msg.step, nbytes=nbytes)
@@ -443,8 +456,13 @@ class EventLoop:
 
     def _handle(self, messages: list[Message], ready: Ready | None) -> None:
         for msg in messages:
+            if msg.kind != "control":
+                self.flight.note(
+                    f"recv {msg.kind} of microbatch {msg.microbatch} (step {msg.step}) "
+                    f"from rank {msg.src}"
+                )
             if msg.kind == "control" and msg.meta.get("op") == "abort":
-                raise RemoteError(msg.src, str(msg.meta.get("error", "no detail")))
+                self._on_abort(msg)
             if msg.kind == "control" and msg.meta.get("op") != "eval_loss":
                 self._reject(msg, f"unknown control op {msg.meta.get('op')!r}")
             elif msg.step > self._step or ready is None:
@@ -503,8 +521,25 @@ class EventLoop:
         ready.backward.add(mb)
         return None
 
+    def _on_abort(self, msg: Message) -> None:
+        """Another rank failed: raise its error here, as PeerLostError if a peer was lost."""
+        if not 0 <= msg.src < self.world.layout.world_size or msg.src == self.world.rank:
+            return self._reject(msg, f"abort from rank {msg.src}, which is not a peer")
+        detail = str(msg.meta.get("error", "no detail"))
+        lost = msg.meta.get("lost")
+        if self.liveness is not None:
+            self.liveness.check()  # this rank's own view of the loss comes first
+        if type(lost) is int:
+            doing = str(msg.meta.get("doing", "unknown"))
+            raise PeerLostError(lost, doing, f"rank {msg.src} reports: {detail}")
+        raise RemoteError(msg.src, detail)
+
     def _reject(self, msg: Message, reason: str) -> None:
         self.stats.rejected += 1
+        self.flight.note(
+            f"reject {msg.kind} from rank {msg.src} (step {msg.step}, microbatch "
+            f"{msg.microbatch}): {reason}"
+        )
         log.warning(
             "rank %d: dropped %s message from rank %d (step %d, microbatch %d): %s",
             self.world.rank,

@@ -65,6 +65,14 @@ class TransportConfig:
         large send; a tensor that does not fit travels inline.
     shm_wait_s: how long a message may wait for a free slot, once nothing is in flight,
         before it goes inline instead (a receiver holding every slot cannot stall a sender).
+    curve: encrypt and authenticate every connection with ZeroMQ CURVE, with keys made
+        per run and exchanged through the torch.distributed store, so a process without
+        them cannot connect. None (default): on when tcp binds beyond loopback.
+    heartbeat_s: how often each rank tells every other rank it is alive.
+    peer_timeout_s: a peer silent this long is lost (a dead process on this host is seen
+        at once); every rank then raises myelin.PeerLostError.
+    exit_after_loss_s: after a loss, a rank whose main thread has not stopped by then (it
+        is stuck in a collective, say) exits with status 1; None never forces an exit.
     """
 
     kind: str = "auto"
@@ -78,6 +86,10 @@ class TransportConfig:
     shm_threshold_bytes: int = 64 * 2**10
     shm_bytes: int = 256 * 2**20
     shm_wait_s: float = 0.05
+    curve: bool | None = None
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 5.0
+    exit_after_loss_s: float | None = 5.0
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -96,6 +108,29 @@ class TransportConfig:
         _check_int("shm_threshold_bytes", self.shm_threshold_bytes, 1, 2**40)
         _check_int("shm_bytes", self.shm_bytes, 2**20, 2**40)
         _check_number("shm_wait_s", self.shm_wait_s, 0.0, 60.0)
+        if self.curve not in (None, True, False):
+            raise ConfigError(f"TransportConfig.curve={self.curve!r} must be None, True or False")
+        if self.curve and not zmq.has("curve"):
+            raise ConfigError("TransportConfig.curve=True, but this pyzmq has no CURVE support")
+        _check_number("heartbeat_s", self.heartbeat_s, 0.01, 60.0)
+        _check_number("peer_timeout_s", self.peer_timeout_s, 0.05, 3600.0)
+        if self.peer_timeout_s < 2 * self.heartbeat_s:
+            raise ConfigError(
+                f"TransportConfig.peer_timeout_s={self.peer_timeout_s!r} must be at least twice "
+                f"heartbeat_s={self.heartbeat_s!r}"
+            )
+        if self.exit_after_loss_s is not None:
+            _check_number("exit_after_loss_s", self.exit_after_loss_s, 0.0, 3600.0)
+
+    def wants_curve(self, kind: str) -> bool:
+        """Whether connections are encrypted: as set, or when tcp binds beyond loopback."""
+        if self.curve is not None:
+            return self.curve
+        return kind == "tcp" and not _is_loopback(self.host)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
@@ -164,15 +199,24 @@ class Transport:
         self._debts: dict[int, _Debt] = {}
         self._debt_since: float | None = None  # when the oldest unpaid debt arose
         self._ipc_path: str | None = None
+        self._extra_paths: list[str] = []  # ipc files of sockets bound with bind_like
         kind = self.config.kind
         if kind == "auto":
             kind = "ipc" if same_host else "tcp"
         self.kind = kind
         use_shm = self.config.shm and kind == "ipc" and shm.SUPPORTED
         self._shm_in = shm.ReceiveSide() if use_shm else None
+        self.curve = self.config.wants_curve(kind)
+        self._auth = None
+        if self.curve:
+            self._start_curve()
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.setsockopt(zmq.RCVHWM, 100_000)
+        limits = self.config.limits  # a bigger frame drops the sender's connection
+        frame_max = max(limits.max_tensor_bytes, limits.max_header_bytes)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, frame_max)
+        self.secure_server(self._inbox)
         self.address = self._bind(kind)
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
@@ -181,14 +225,57 @@ class Transport:
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/addr/{rank}"
 
+    # -- security ------------------------------------------------------------
+
+    @property
+    def context(self) -> zmq.Context:
+        """The ZeroMQ context (thread-safe; its sockets are not), with CURVE's authenticator."""
+        return self._ctx
+
+    def _start_curve(self) -> None:
+        """Make this rank's key pair, publish the public half, and admit only ranks' keys."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._public, self._secret = zmq.curve_keypair()
+        self._store.set(f"{self._prefix}/curve/{self.rank}", self._public)
+        self._auth = ThreadAuthenticator(self._ctx, log=log)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", _RankKeys(self))
+
+    def public_key(self, rank: int) -> bytes:
+        """`rank`'s CURVE public key, from the store."""
+        key = f"{self._prefix}/curve/{rank}"
+        timeout = timedelta(seconds=self.config.connect_timeout_s)
+        self._store.wait([key], timeout)
+        return self._store.get(key)
+
+    def secure_server(self, sock: zmq.Socket) -> None:
+        """Make a socket that binds accept only CURVE clients holding a rank's key."""
+        if self.curve:
+            sock.curve_secretkey = self._secret
+            sock.curve_publickey = self._public
+            sock.curve_server = True
+
+    def secure_client(self, sock: zmq.Socket, rank: int) -> None:
+        """Make a socket that connects to `rank` speak CURVE with this rank's keys."""
+        if self.curve:
+            sock.curve_secretkey = self._secret
+            sock.curve_publickey = self._public
+            sock.curve_serverkey = self.public_key(rank)
+
     def _bind(self, kind: str) -> str:
+        return self.bind_like(self._inbox, "")
+
+    def bind_like(self, sock: zmq.Socket, tag: str) -> str:
+        """Bind `sock` the way this rank's inbox is bound (ipc or tcp); returns its address."""
+        kind = self.kind
         if kind == "tcp":
-            self._inbox.bind(f"tcp://{_bracket(self.config.host)}:0")
-            return self._inbox.getsockopt(zmq.LAST_ENDPOINT).decode()
-        name = f"myelin-{os.getpid()}-{self.rank}-{uuid.uuid4().hex[:8]}.sock"
+            sock.bind(f"tcp://{_bracket(self.config.host)}:0")
+            return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        name = f"myelin-{os.getpid()}-{self.rank}{tag}-{uuid.uuid4().hex[:8]}.sock"
         if self.config.ipc_dir is None and sys.platform == "linux":
             address = f"ipc://@{name}"  # abstract namespace: no file to leave behind
-            self._inbox.bind(address)
+            sock.bind(address)
             return address
         path = os.path.join(self.config.ipc_dir or tempfile.gettempdir(), name)
         if len(path.encode()) > _IPC_PATH_MAX:
@@ -199,8 +286,11 @@ class Transport:
                 f"ipc socket path {path!r} is {len(path.encode())} bytes, over Linux's "
                 f"{_IPC_PATH_MAX}; set TransportConfig.ipc_dir to a shorter directory"
             )
-        self._inbox.bind(f"ipc://{path}")
-        self._ipc_path = path
+        sock.bind(f"ipc://{path}")
+        if sock is self._inbox:
+            self._ipc_path = path
+        else:
+            self._extra_paths.append(path)
         return f"ipc://{path}"
 
     # -- sending -------------------------------------------------------------
@@ -312,6 +402,7 @@ class Transport:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, self.config.linger_ms)
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            self.secure_client(sock, dst)
             sock.connect(address)
             side = None
             if self._shm_in is not None:
@@ -498,9 +589,12 @@ class Transport:
             self._shm_in.close()
         self._tracked.clear()
         self._inbox.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
-        if self._ipc_path and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)
+        for path in (self._ipc_path, *self._extra_paths):
+            if path and os.path.exists(path):
+                os.unlink(path)
 
 
 _CONTROL_OPS = {
@@ -509,6 +603,26 @@ _CONTROL_OPS = {
     "shm_ready": Transport._on_ready,
     "shm_refused": Transport._on_refused,
 }
+
+
+class _RankKeys:
+    """CURVE's admission check: a client is let in only with a key some rank published."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._known: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key not in self._known:
+            t = self._transport
+            for r in range(t.world_size):
+                name = f"{t._prefix}/curve/{r}"
+                if t._store.check([name]):
+                    self._known.add(t._store.get(name))
+        if key in self._known:
+            return True
+        log.warning("rank %d: refused a connection with an unknown CURVE key", self._transport.rank)
+        return False
 
 
 def _bracket(host: str) -> str:

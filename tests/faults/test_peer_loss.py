@@ -1,0 +1,62 @@
+"""A rank killed mid-step (or frozen) is named on every survivor within seconds.
+
+Each case kills rank 1 at one point of step 2; every other rank must raise
+myelin.PeerLostError naming rank 1 and what it was doing, exit non-zero within 10 s of
+the death, leave a flight record, and leave no process behind (tests/_procs.py checks).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests._procs import launch
+
+LIMIT_S = 10.0
+
+
+def _check_survivors(job, tmp_path, world, doing=None):
+    assert job.returncode != 0, job.output[-3000:]
+    died = json.loads((tmp_path / "out" / "victim.json").read_text())["time"]
+    survivors = [r for r in range(world) if r != 1]
+    for rank in survivors:
+        res = job.results.get(rank)
+        assert res is not None, f"rank {rank} wrote nothing:\n{job.output[-3000:]}"
+        assert res["error_type"] == "PeerLostError", res
+        assert res["lost"] == 1 and "rank 1 (stage 1, replica 0)" in res["error"], res
+        if doing is not None:
+            assert doing in res["error"], res
+        assert res["time"] - died < LIMIT_S, (rank, res["time"] - died)
+        record = json.loads((tmp_path / "out" / "flight" / f"rank{rank}.json").read_text())
+        assert record["error"].startswith("PeerLostError") and record["events"]
+        assert any("flight record of rank" in n for n in res["notes"])
+
+
+@pytest.mark.parametrize(
+    ("mode", "doing"),
+    [
+        ("forward", "1F"),
+        ("backward", "1B"),
+        ("optimizer", "optimizer step"),
+    ],
+)
+def test_a_rank_killed_mid_step_is_named_by_its_peer(tmp_path, mode, doing):
+    job = launch(2, "peerloss.py", [mode], tmp_path, timeout=90)
+    _check_survivors(job, tmp_path, 2, doing)
+
+
+def test_a_rank_killed_in_the_all_reduce_is_named_by_all_three_others(tmp_path):
+    job = launch(4, "peerloss.py", ["allreduce"], tmp_path, timeout=120)
+    _check_survivors(job, tmp_path, 4, "reducing gradients")
+
+
+def test_a_frozen_rank_is_lost_by_heartbeat_timeout(tmp_path):
+    job = launch(2, "peerloss.py", ["silent"], tmp_path, timeout=90)
+    _check_survivors(job, tmp_path, 2)
+    assert "nothing came from it for" in job.results[0]["error"]
+
+
+def test_peer_loss_under_torchrun(tmp_path):
+    job = launch(2, "peerloss.py", ["backward"], tmp_path, timeout=90, launcher="torchrun")
+    _check_survivors(job, tmp_path, 2, "1B")

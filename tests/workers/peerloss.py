@@ -1,0 +1,102 @@
+"""Kill (or freeze) one rank at a chosen point and record what the survivors raised.
+
+Run by tests/faults/test_peer_loss.py as `myelin run -n N peerloss.py --out DIR MODE`.
+MODE is where rank VICTIM dies: forward, backward, allreduce, optimizer (SIGKILL), or
+silent (SIGSTOP: alive but mute). The victim writes the time it died to victim.json.
+"""
+
+import argparse
+import functools
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import myelin
+import myelin.runtime.loop as loop_module
+
+VICTIM = 1
+DIE_AT_STEP = 3
+
+
+class Slow(torch.nn.Module):
+    """Makes a step last long enough that the launcher's timing is not all that is tested."""
+
+    def forward(self, x):
+        time.sleep(0.03)
+        return x
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("mode", choices=["forward", "backward", "allreduce", "optimizer", "silent"])
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainer = None
+
+    def die(where):
+        if rank != VICTIM or trainer is None or trainer.steps_done != DIE_AT_STEP:
+            return
+        time.sleep(0.1)  # in the middle of the operation; its heartbeat has gone out
+        with open(os.path.join(args.out, "victim.json"), "w") as f:
+            json.dump({"time": time.time(), "where": where}, f)
+        os.kill(os.getpid(), signal.SIGSTOP if args.mode == "silent" else signal.SIGKILL)
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8), Slow(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
+    model = torch.nn.Sequential(*layers)
+    if args.mode in ("forward", "silent"):
+        model[2].register_forward_hook(lambda *a: die("forward"))
+    if args.mode == "backward":
+        model[2].register_full_backward_hook(lambda *a: die("backward"))
+    if args.mode == "allreduce":
+        reduce = loop_module.average_gradients
+
+        def dying_reduce(*a, **kw):
+            die("allreduce")
+            return reduce(*a, **kw)
+
+        loop_module.average_gradients = dying_reduce
+
+    class Dying(torch.optim.SGD):
+        def step(self, closure=None):
+            die("optimizer")
+            return super().step(closure)
+
+    record = {"error_type": None, "error": None}
+    try:
+        trainer = myelin.Trainer(
+            model,
+            optimizer=functools.partial(Dying, lr=0.1),
+            loss_fn=F.cross_entropy,
+            stages=2,
+            data_parallel=world // 2,
+            microbatches=4,
+            timeout=60,
+            run_dir=args.out,
+            transport=myelin.TransportConfig(peer_timeout_s=3.0),
+        )
+        x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        for _ in range(50):
+            trainer.step(x, y)
+    except Exception as exc:
+        record = {
+            "error_type": type(exc).__name__,
+            "error": str(exc),
+            "notes": getattr(exc, "__notes__", []),
+            "lost": getattr(exc, "rank", None),
+        }
+    record["time"] = time.time()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if trainer is not None:
+        trainer.close()
+    raise SystemExit(3 if record["error_type"] else 0)
+
+
+if __name__ == "__main__":
+    main()
