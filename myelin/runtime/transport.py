@@ -459,7 +459,11 @@ class Transport:
         for _ in range(_DRAIN_MAX):
             if not self._inbox.getsockopt(_EVENTS) & _POLLIN:
                 return
-            msg = self._accept(self._inbox.recv_multipart(flags=_NOBLOCK, copy=False))
+            try:
+                frames = self._inbox.recv_multipart(flags=_NOBLOCK, copy=False)
+            except zmq.Again:  # POLLIN can be set before a (CURVE) message is complete
+                return
+            msg = self._accept(frames)
             if msg is not None:
                 self._arrived.append(msg)
 
