@@ -10,23 +10,36 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["main", "launch"]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int, what: str = "an int") -> Callable[[str], int]:
+    """An argparse type: an int in [low, high], the range named when it is not."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} in [{low}, {high}]") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not {what} in [{low}, {high}]")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
-    return value
+_positive = _int_in(1, 4096, "a process count")
+_port = _int_in(1, 65535, "a port")
+
+
+def _address(text: str) -> str:
+    from myelin.runtime.transport import _is_address
+
+    if not _is_address(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address or a host name")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="rendezvous port on this host (default: a free port)",
     )
     run.add_argument(
-        "--master-addr", default="127.0.0.1", help="rendezvous address (default: loopback)"
+        "--master-addr",
+        type=_address,
+        default="127.0.0.1",
+        help="rendezvous address (default: loopback)",
     )
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module (python -m)")
     run.add_argument("script", help="the Python script (or module, with -m) to run")
@@ -118,8 +134,12 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "run":
+        missing = _missing_script(args.script, args.module)
+        if missing:
+            parser.error(missing)  # before any process starts
         return launch(
             args.nproc, args.script, args.args, args.master_port, args.master_addr, args.module
         )
@@ -132,6 +152,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return report.main(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
+
+
+def _missing_script(script: str, module: bool) -> str | None:
+    """Why `script` (or module) cannot run, or None."""
+    if module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"run: no module named {script!r} (-m)"
+    if not os.path.isfile(script):
+        return f"run: script {script!r} does not exist"
+    return None
 
 
 if __name__ == "__main__":

@@ -229,11 +229,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sections[f.metadata["group"]].add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type={"int": int, "float": float}.get(f.type, str),
+            type=_flag_type(f),
             default=None,
             metavar={"int": "N", "float": "X"}.get(f.type, name.upper()),
             help=_help(f),
         )
+
+
+def _flag_type(f: dataclasses.Field) -> Any:
+    """The argparse type of a field's flag: a number that does not parse names the range."""
+    kind = {"int": int, "float": float}.get(f.type)
+    if kind is None:
+        return str
+    within = f.metadata["within"]
+
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            what = "an int" if kind is int else "a number"
+            where = f" in {within}" if within is not None else ""
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}{where}") from None
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _help(f: dataclasses.Field) -> str:

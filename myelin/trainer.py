@@ -181,8 +181,9 @@ class Trainer:
         )
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise ConfigError(
-                "optimizer must be a factory called with each stage's parameters, e.g. "
-                "functools.partial(torch.optim.AdamW, lr=1e-3), not an optimizer instance"
+                f"optimizer={optimizer!r} must be a factory called with each stage's "
+                f"parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an "
+                f"optimizer instance"
             )
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
@@ -192,11 +193,19 @@ class Trainer:
         self.offload = offload if offload is not None else OffloadConfig()
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
+        if run_dir is not None and (not isinstance(run_dir, (str, os.PathLike)) or not run_dir):
+            raise ConfigError(f"run_dir={run_dir!r} must be a directory path")
         self.flight_dir = Path(run_dir) / "flight" if run_dir is not None else default_dir()
+        if resume is not None:
+            if not isinstance(resume, (str, os.PathLike)) or not resume:
+                raise ConfigError(f"resume={resume!r} must be a checkpoint directory")
+            checkpoint.latest_version(resume)  # a missing checkpoint fails before any work
         cfg = self.config
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
             split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
+            if self.precision == "fp16":
+                _check_every_stage_trains(model, cfg)
         check_world_size(layout)
         self._report: ProfileReport | None = None
         self.sampler: Sampler | None = None
@@ -599,6 +608,19 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_every_stage_trains(model: Any, cfg: PipelineConfig) -> None:
+    """fp16 skips a step whose gradients overflow by a vote of every rank, so every stage
+    needs parameters to vote with."""
+    for s in range(cfg.stages):
+        module = stage_module(model, cfg.stages, s, cfg.partition)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ConfigError(
+                f"precision='fp16': stage {s} has no trainable parameters, but every stage "
+                f"votes on skipping steps whose gradients overflow; use another partition or "
+                f"precision='bf16'"
+            )
 
 
 def _layers_or_whole(model: Any) -> list[nn.Module]:

@@ -49,8 +49,8 @@ def test_run_fails_when_a_process_fails_and_stops_the_others(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "-n", "0", "x.py"], "must be >= 1"),
-        (["run", "-n", "2", "--master-port", "70000", "x.py"], "must be a port"),
+        (["run", "-n", "0", "x.py"], "0 is not a process count in [1, 4096]"),
+        (["run", "-n", "2", "--master-port", "70000", "x.py"], "70000 is not a port in [1, 65535]"),
         (["run", "x.py"], "required: -n/--nproc"),
     ],
 )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from myelin.errors import ConfigError
-from myelin.offload.pool import parse_bytes
+from myelin.offload.pool import human_bytes, parse_bytes
 
 __all__ = ["OffloadConfig", "OPTIMIZER_MODES", "PRECISIONS"]
 
@@ -53,13 +53,10 @@ class OffloadConfig:
             )
         if type(self.prefetch) is not int or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"OffloadConfig.prefetch={self.prefetch!r} must be an int in [0, 64]")
-        _bytes(self, "min_bytes", allow_zero=True)
+        _bytes(self, "min_bytes", minimum=0)
         _bytes(self, "host_memory_limit", allow_none=True)
-        slab = self.slab_bytes
-        _bytes(self, "slab_bytes")
+        _bytes(self, "slab_bytes", minimum=1 << 20)
         _bytes(self, "bucket_bytes")
-        if self.slab_bytes < 1 << 20:
-            raise ConfigError(f"OffloadConfig.slab_bytes={slab!r} must be at least 1MiB")
 
     @property
     def enabled(self) -> bool:
@@ -81,15 +78,27 @@ class OffloadConfig:
         return str(self.optimizer)
 
 
-def _bytes(cfg: Any, name: str, allow_zero: bool = False, allow_none: bool = False) -> None:
+def _bytes(cfg: Any, name: str, minimum: int = 1, allow_none: bool = False) -> None:
+    """Parse a byte-count field in place; errors name the field, the value as given and
+    the smallest value allowed."""
     value = getattr(cfg, name)
     if value is None:
         if allow_none:
             return
         raise ConfigError(f"OffloadConfig.{name}=None must be a byte count, e.g. 4096 or '64KiB'")
-    if allow_zero and value == 0 and type(value) is int:
+    if minimum == 0 and value == 0 and type(value) is int:
         return
-    object.__setattr__(cfg, name, parse_bytes(value, f"OffloadConfig.{name}"))
+    try:
+        parsed = parse_bytes(value, f"OffloadConfig.{name}")
+    except ConfigError:
+        if isinstance(value, int) and not isinstance(value, bool) and value < minimum:
+            raise ConfigError(
+                f"OffloadConfig.{name}={value!r} must be at least {human_bytes(minimum)}"
+            ) from None
+        raise
+    if parsed < minimum:
+        raise ConfigError(f"OffloadConfig.{name}={value!r} must be at least {human_bytes(minimum)}")
+    object.__setattr__(cfg, name, parsed)
 
 
 def check_precision(precision: str) -> str:

@@ -732,6 +732,10 @@ class ProfileConfig:
             raise ConfigError(f"profile out_dir={self.out_dir!r} must be a path")
         if self.out_dir is not None:
             object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
+            if not self.out_dir:
+                raise ConfigError("profile out_dir='' must name a directory (or be None)")
+        if type(self.print_summary) is not bool:
+            raise ConfigError(f"profile print_summary={self.print_summary!r} must be True/False")
         for name, lo, hi in (("interval_s", 0.001, 60.0), ("gather_timeout_s", 0.1, 3600.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -865,11 +869,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--steps", help="draw these steps, e.g. '3' or '2-4' (default: last 3)")
     parser.add_argument(
-        "--warmup-steps", type=int, help="steps left out of the steady-state figures"
+        "--warmup-steps", type=_count, help="steps left out of the steady-state figures"
     )
     parser.add_argument(
         "--short-gap-us",
-        type=float,
+        type=_microseconds,
         default=0.03,
         help="torch traces: idle gaps shorter than this are 'short gaps' (HTA: 30 ns)",
     )
@@ -878,11 +882,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int in [0, 1000000]")
+    return int(text)
+
+
+def _microseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e9:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of microseconds in [0, 1e9]")
+    return value
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `myelin profile`: print the figures, redraw or write the files; exit status."""
     try:
+        steps = _parse_steps(args.steps)  # a bad flag fails before anything is printed
         report, here = _open(args)
-        steps = _parse_steps(args.steps)
         print(json.dumps(report.summary(), indent=1) if args.json else report.format())
         out = Path(args.out) if args.out else here
         if args.out:
@@ -914,6 +934,8 @@ def _parse_steps(text: str | None) -> list[int] | None:
         parts = [int(p) for p in text.split("-", 1)]
     except ValueError:
         raise MyelinError(f"--steps {text!r} must be a step or a range such as 2-4") from None
+    if parts[-1] < parts[0]:
+        raise MyelinError(f"--steps {text!r}: the range ends before it starts")
     return [parts[0], parts[-1]]
 
 

@@ -116,13 +116,32 @@ def check_world_size(layout: Layout) -> int:
             f"stages={layout.stages} x data_parallel={layout.data_parallel} needs a world of "
             f"{layout.world_size} processes, but {source} says {world}"
         )
+    rank = os.environ.get("RANK")
+    if not dist.is_initialized() and rank is not None:
+        if not rank.isdigit() or int(rank) >= world:
+            raise ConfigError(f"environment RANK={rank!r} must be an int in [0, {world - 1}]")
     return world
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
     """The device this rank computes on: the given one, else its local GPU, else the CPU."""
     if device is not None:
-        return torch.device(device)
+        if not isinstance(device, (str, torch.device)):
+            raise ConfigError(f"device={device!r} must be a string like 'cuda:0' or 'cpu'")
+        try:
+            chosen = torch.device(device)
+        except RuntimeError as exc:
+            raise ConfigError(f"device={device!r} is not a device torch knows: {exc}") from None
+        if chosen.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (chosen.index is not None and chosen.index >= count):
+                raise ConfigError(
+                    f"device={device!r}: this machine has {count} CUDA device(s); choose "
+                    f"cuda:0..cuda:{count - 1}"
+                    if count
+                    else f"device={device!r}: no CUDA here"
+                )
+        return chosen
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % torch.cuda.device_count())

@@ -315,7 +315,12 @@ class EventLoop:
             page_out = store is not None and store.pages_out
             page_out = page_out and not self.policy.backward_next(ready, mb)
             with timed:  # the compute only: the send below is not the device's time
-                outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out)
+                try:
+                    outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out)
+                except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+                    if stage.is_first or isinstance(exc, torch.OutOfMemoryError):
+                        raise
+                    raise self._misfit(mb, inputs, exc) from exc
             ready.forwards_done += 1
             self.stats.forwards += 1
             if stage.is_last:
@@ -335,6 +340,16 @@ class EventLoop:
         self.stats.backwards += 1
         if not stage.is_first:
             self._send(stage.index - 1, "gradient", mb, in_grads, {"index": in_index, "loss": loss})
+
+    def _misfit(self, mb: int, inputs: tuple[torch.Tensor, ...], exc: Exception) -> MyelinError:
+        """The error for a forward that failed on what the previous stage sent, naming it."""
+        got = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
+        src = self.world.peer(self.stage.index - 1)
+        return MyelinError(
+            f"rank {self.world.rank} (stage {self.stage.index}) could not run its forward on "
+            f"the activation of microbatch {mb} in step {self._step} from rank {src} "
+            f"(tensors {got}): {type(exc).__name__}: {exc}"
+        )
 
     # -- memory --------------------------------------------------------------
 

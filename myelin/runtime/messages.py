@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import torch
 
-from myelin.errors import MessageError
+from myelin.errors import ConfigError, MessageError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -77,7 +77,7 @@ class MessageLimits:
         for name in self.__slots__:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
-                raise ValueError(f"MessageLimits.{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"MessageLimits.{name}={value!r} must be an int >= 1")
 
 
 DEFAULT_LIMITS = MessageLimits()

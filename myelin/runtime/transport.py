@@ -14,9 +14,11 @@ the header goes over ZeroMQ. Credits and freed slots flow back as control messag
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -94,13 +96,17 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ConfigError(f"TransportConfig.kind={self.kind!r} must be one of {_KINDS}")
-        if not isinstance(self.host, str) or not self.host:
-            raise ConfigError(f"TransportConfig.host={self.host!r} must be a non-empty address")
+        if not isinstance(self.host, str) or not _is_address(self.host):
+            raise ConfigError(
+                f"TransportConfig.host={self.host!r} must be an IP address or a host name"
+            )
         _check_int("max_inflight_bytes", self.max_inflight_bytes, 1, 2**62)
         _check_int("linger_ms", self.linger_ms, 0, 600_000)
         _check_number("connect_timeout_s", self.connect_timeout_s, 1e-3, 86_400.0)
         if self.ipc_dir is not None and (not isinstance(self.ipc_dir, str) or not self.ipc_dir):
             raise ConfigError(f"TransportConfig.ipc_dir={self.ipc_dir!r} must be None or a path")
+        if self.ipc_dir is not None and not os.path.isdir(self.ipc_dir):
+            raise ConfigError(f"TransportConfig.ipc_dir={self.ipc_dir!r} is not a directory")
         if not isinstance(self.limits, MessageLimits):
             raise ConfigError(f"TransportConfig.limits={self.limits!r} must be a MessageLimits")
         if type(self.shm) is not bool:
@@ -108,7 +114,7 @@ class TransportConfig:
         _check_int("shm_threshold_bytes", self.shm_threshold_bytes, 1, 2**40)
         _check_int("shm_bytes", self.shm_bytes, 2**20, 2**40)
         _check_number("shm_wait_s", self.shm_wait_s, 0.0, 60.0)
-        if self.curve not in (None, True, False):
+        if self.curve is not None and type(self.curve) is not bool:
             raise ConfigError(f"TransportConfig.curve={self.curve!r} must be None, True or False")
         if self.curve and not zmq.has("curve"):
             raise ConfigError("TransportConfig.curve=True, but this pyzmq has no CURVE support")
@@ -127,6 +133,20 @@ class TransportConfig:
         if self.curve is not None:
             return self.curve
         return kind == "tcp" and not _is_loopback(self.host)
+
+
+def _is_address(host: str) -> bool:
+    """An IP literal, or a host name as RFC 1123 spells one."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return 0 < len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
+
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def _is_loopback(host: str) -> bool:
