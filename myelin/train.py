@@ -364,6 +364,7 @@ def train(cfg: TrainConfig) -> None:
     )
     with trainer:
         run_dir = _agree_run_dir(cfg, trainer)
+        trainer.flight_dir = run_dir / "flight"  # where a failing rank leaves its record
         cfg = dataclasses.replace(cfg, out=str(run_dir))
         if trainer.rank == 0:
             (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))

@@ -199,7 +199,10 @@ class Trainer:
         if resume is not None:
             if not isinstance(resume, (str, os.PathLike)) or not resume:
                 raise ConfigError(f"resume={resume!r} must be a checkpoint directory")
-            checkpoint.latest_version(resume)  # a missing checkpoint fails before any work
+            try:  # a missing checkpoint fails before any work
+                checkpoint.latest_version(resume)
+            except checkpoint.CheckpointError as exc:
+                raise ConfigError(f"resume={os.fspath(resume)!r}: {exc}") from None
         cfg = self.config
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
