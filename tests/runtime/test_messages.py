@@ -730,6 +730,20 @@ def test_fuzz_mutated_headers(frames):
     _decode_or_reject(frames)
 
 
+@pytest.mark.slow
+@settings(FUZZ, max_examples=20_000)
+@given(
+    frames=st.lists(st.binary(max_size=64), max_size=5)
+    | mutated_headers()
+    | st.builds(
+        _mutate, st.sampled_from(_SAMPLES_WITH_EMPTY), st.lists(_OPS, min_size=1, max_size=6)
+    )
+)
+def test_fuzz_tens_of_thousands(frames):
+    """The long run (-m slow): 20,000 random, mutated and header-mutated messages."""
+    _decode_or_reject(frames)
+
+
 # ------------------------------------------------- regressions (bugs this suite found)
 
 
