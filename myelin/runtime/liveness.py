@@ -108,6 +108,7 @@ class Liveness:
         self._transport = transport
         self._ctx = transport.context
         self._stop = threading.Event()
+        self._closed = False
         self._main = threading.main_thread().ident
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
@@ -151,8 +152,9 @@ class Liveness:
 
     def close(self) -> None:
         """Say goodbye (so peers do not take this rank's exit for a death) and stop."""
-        if self._stop.is_set():
+        if self._closed:
             return
+        self._closed = True
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
         bye = msgpack.packb({"rank": self.rank, "doing": "closed its trainer", "bye": True})

@@ -30,7 +30,7 @@ from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.group import World, average_gradients, sum_gradients
 from myelin.runtime.messages import Message
 from myelin.runtime.schedule import Action, Policy, Ready
-from myelin.runtime.stage import Stage, as_tuple
+from myelin.runtime.stage import InputMismatch, Stage, as_tuple
 
 __all__ = ["LoopConfig", "EventLoop"]
 
@@ -195,9 +195,7 @@ class EventLoop:
                         self._handle(self._poll_now(), ready)
                     last_progress = time.monotonic()
                     continue
-                messages = self._wait(self.config.poll_s)
-                if messages:
-                    self._handle(messages, ready)
+                if self._handle(self._wait(self.config.poll_s), ready):
                     last_progress = time.monotonic()
                 elif time.monotonic() - last_progress > self.config.timeout_s:
                     raise DeadlineError(
@@ -259,9 +257,7 @@ class EventLoop:
             self._prefetch()
             self.flight.now(f"waiting to run {self.policy.waiting_for(ready)} in step {self._step}")
             wait = self.config.poll_s if not self._outbox else 0.0005
-            messages = self._wait(wait)
-            if messages:
-                self._handle(messages, ready)
+            if self._handle(self._wait(wait), ready):
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 raise DeadlineError(self._describe_wait(ready, time.monotonic() - last_progress))
@@ -317,10 +313,8 @@ class EventLoop:
             with timed:  # the compute only: the send below is not the device's time
                 try:
                     outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out)
-                except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-                    if stage.is_first or isinstance(exc, torch.OutOfMemoryError):
-                        raise
-                    raise self._misfit(mb, inputs, exc) from exc
+                except InputMismatch as exc:
+                    raise self._misfit(mb, inputs, exc.__cause__) from exc.__cause__
             ready.forwards_done += 1
             self.stats.forwards += 1
             if stage.is_last:
@@ -341,7 +335,7 @@ class EventLoop:
         if not stage.is_first:
             self._send(stage.index - 1, "gradient", mb, in_grads, {"index": in_index, "loss": loss})
 
-    def _misfit(self, mb: int, inputs: tuple[torch.Tensor, ...], exc: Exception) -> MyelinError:
+    def _misfit(self, mb: int, inputs: tuple[torch.Tensor, ...], exc: Any) -> MyelinError:
         """The error for a forward that failed on what the previous stage sent, naming it."""
         got = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
         src = self.world.peer(self.stage.index - 1)
@@ -469,7 +463,10 @@ class EventLoop:
             self._staging.free(buf)
         self._staged.clear()
 
-    def _handle(self, messages: list[Message], ready: Ready | None) -> None:
+    def _handle(self, messages: list[Message], ready: Ready | None) -> int:
+        """Act on arrived messages; returns how many were taken for this step (progress:
+        rejected junk does not hold a deadline off)."""
+        taken = 0
         for msg in messages:
             if msg.kind != "control":
                 self.flight.note(
@@ -478,48 +475,73 @@ class EventLoop:
                 )
             if msg.kind == "control" and msg.meta.get("op") == "abort":
                 self._on_abort(msg)
-            if msg.kind == "control" and msg.meta.get("op") != "eval_loss":
+            elif msg.kind == "control" and msg.meta.get("op") != "eval_loss":
                 self._reject(msg, f"unknown control op {msg.meta.get('op')!r}")
             elif msg.step > self._step or ready is None:
-                if len(self._early) >= 4 * self.config.microbatches:
-                    self._reject(msg, "too many messages for future steps")
-                else:
-                    self._early.append(msg)
-                    self.stats.early += 1
+                self._keep_early(msg)
             elif msg.step < self._step:
                 self._reject(msg, f"stale: for step {msg.step}, now at step {self._step}")
             else:
-                self._accept(msg, ready)
+                taken += self._accept(msg, ready)
+        return taken
 
-    def _accept(self, msg: Message, ready: Ready) -> None:
+    def _keep_early(self, msg: Message) -> None:
+        """Keep a message for the next step (a neighbour ran ahead): only one step ahead,
+        only if it is addressed to this stage, and only so many."""
+        if msg.step > self._step + 1:
+            return self._reject(msg, f"for step {msg.step}, more than one step after {self._step}")
+        why = self._misaddressed(msg)
+        if why is not None:
+            return self._reject(msg, why)
+        if len(self._early) >= 4 * self.config.microbatches:
+            return self._reject(msg, "too many messages for the next step")
+        self._early.append(msg)
+        self.stats.early += 1
+        return None
+
+    def _misaddressed(self, msg: Message) -> str | None:
+        """Why `msg` cannot be for this stage (wrong stage, microbatch, or sender), or None."""
         stage, mb = self.stage, msg.microbatch
-        if msg.kind == "control":
-            value = msg.meta.get("value")
+        if msg.kind == "control":  # eval_loss: only the last stage sends it
             if stage.is_last or msg.src != self.world.peer(stage.num_stages - 1):
-                return self._reject(msg, "evaluation loss from a rank that is not the last stage")
-            if not isinstance(value, float):
-                return self._reject(msg, f"evaluation loss {value!r} is not a float")
-            self._eval_loss = value
+                return "evaluation loss from a rank that is not the last stage"
             return None
         if msg.stage != stage.index:
-            return self._reject(msg, f"addressed to stage {msg.stage}, this is stage {stage.index}")
-        if not 0 <= mb < ready.microbatches:
-            return self._reject(msg, f"microbatch {mb} is out of range of {ready.microbatches}")
+            return f"addressed to stage {msg.stage}, this is stage {stage.index}"
+        if not 0 <= mb < self.config.microbatches:
+            return f"microbatch {mb} is out of range of {self.config.microbatches}"
         if msg.kind == "activation":
             if stage.is_first or msg.src != self.world.peer(stage.index - 1):
-                return self._reject(msg, "activation from a rank that is not the previous stage")
-            if ("activation", mb) in self._arrived:
-                return self._reject(msg, f"duplicate activation for microbatch {mb}")
+                return "activation from a rank that is not the previous stage"
+        elif stage.is_last or msg.src != self.world.peer(stage.index + 1):
+            return "gradient from a rank that is not the next stage"
+        return None
+
+    def _accept(self, msg: Message, ready: Ready) -> bool:
+        """Take a message for this step: it makes an operation ready. False if rejected."""
+        mb = msg.microbatch
+        why = self._misaddressed(msg)
+        if why is not None:
+            self._reject(msg, why)
+            return False
+        if msg.kind == "control":
+            value = msg.meta.get("value")
+            if not isinstance(value, float):
+                self._reject(msg, f"evaluation loss {value!r} is not a float")
+                return False
+            self._eval_loss = value
+            return True
+        if (msg.kind, mb) in self._arrived:
+            self._reject(msg, f"duplicate {msg.kind} for microbatch {mb}")
+            return False
+        if msg.kind == "activation":
             self._arrived.add(("activation", mb))
             self._inputs[mb] = tuple(msg.tensors)
             ready.forward.add(mb)
-            return None
-        if stage.is_last or msg.src != self.world.peer(stage.index + 1):
-            return self._reject(msg, "gradient from a rank that is not the next stage")
-        if ("gradient", mb) in self._arrived:
-            return self._reject(msg, f"duplicate gradient for microbatch {mb}")
-        if not stage.in_flight(mb):
-            return self._reject(msg, f"gradient for microbatch {mb}, which this stage has not run")
+            return True
+        if not self.stage.in_flight(mb):
+            self._reject(msg, f"gradient for microbatch {mb}, which this stage has not run")
+            return False
         index, loss = msg.meta.get("index"), msg.meta.get("loss")
         if not isinstance(index, list) or any(type(i) is not int for i in index):
             raise MyelinError(
@@ -534,7 +556,7 @@ class EventLoop:
         self._arrived.add(("gradient", mb))
         self._grads[mb] = (msg.tensors, index, loss)
         ready.backward.add(mb)
-        return None
+        return True
 
     def _on_abort(self, msg: Message) -> None:
         """Another rank failed: raise its error here, as PeerLostError if a peer was lost."""

@@ -259,6 +259,10 @@ class SendSide:
         for offset in offsets:
             self.segment.slots.free(offset)
 
+    def owns(self, token: Any) -> bool:
+        """Whether `token` is this segment's secret (so a free of its slots is genuine)."""
+        return self.segment is not None and token == self.segment.token
+
     def free(self, offsets: list[Any]) -> int:
         """Take back slots the receiver released; returns how many offsets were not ours."""
         bad = 0
@@ -295,6 +299,11 @@ class ReceiveSide:
             old.close()
         self._mappings[src] = mapping
         return {"op": "shm_ready", "token": mapping.token}
+
+    def token_of(self, src: int) -> Any:
+        """The token of `src`'s mapped segment, or None."""
+        mapping = self._mappings.get(src)
+        return mapping.token if mapping is not None else None
 
     def tensor(
         self, src: int, loc: list[int], dtype: torch.dtype, shape: tuple[int, ...], nbytes: int

@@ -20,7 +20,7 @@ from torch import nn
 from myelin.errors import MyelinError
 from myelin.offload.activations import ActivationStore
 
-__all__ = ["Stage", "as_tuple"]
+__all__ = ["InputMismatch", "Stage", "as_tuple"]
 
 
 def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
@@ -33,6 +33,10 @@ def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
         f"a pipeline stage must take and return a tensor or a tuple of tensors, "
         f"got {type(value).__name__}"
     )
+
+
+class InputMismatch(MyelinError):
+    """A later stage's module failed on the tensors it received (the cause is chained)."""
 
 
 @dataclass(slots=True)
@@ -88,7 +92,7 @@ class Stage:
             else contextlib.nullcontext()
         )
         with saving:
-            outputs = as_tuple(self.module(*inputs))
+            outputs = as_tuple(self._run_module(inputs))
             if not self.is_last:
                 self._flights[mb] = _Flight(inputs, outputs)
                 return outputs
@@ -103,6 +107,18 @@ class Stage:
             scaled = scaled * self.loss_scale
         self._flights[mb] = _Flight(inputs, (scaled,), loss.detach())
         return ()
+
+    def _run_module(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """The module on `inputs`; on a later stage, its failure is the sender's to explain
+        (the loop names the microbatch and the rank the inputs came from)."""
+        if self.is_first:
+            return self.module(*inputs)
+        try:
+            return self.module(*inputs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise
+            raise InputMismatch() from exc
 
     @torch.no_grad()
     def evaluate(

@@ -553,6 +553,8 @@ class Transport:
             return
         for src, debt in self._debts.items():
             meta: dict[str, Any] = {"op": "credit", "bytes": debt.credit}
+            if debt.slots and self._shm_in is not None:  # the segment's secret: no forged frees
+                meta["token"] = self._shm_in.token_of(src)
             for i in range(0, len(debt.slots), _FREE_CHUNK):
                 self._send_control(
                     self._peer(src), {**meta, "free": debt.slots[i : i + _FREE_CHUNK]}
@@ -563,37 +565,51 @@ class Transport:
         self._debts.clear()
         self._debt_since = None
 
+    def _refuse(self, src: int, op: str, why: str) -> None:
+        """Count and log a control message this rank will not act on."""
+        self.stats.rejected += 1
+        log.warning("rank %d: ignored %s from rank %d: %s", self.rank, op, src, why)
+
     def _on_credit(self, src: int, meta: dict[str, Any]) -> None:
         peer = self._peers.get(src)
         amount, free = meta.get("bytes"), meta.get("free", [])
         if peer is None or type(amount) is not int or amount < 0 or not isinstance(free, list):
-            self.stats.rejected += 1
-            return
-        peer.inflight = max(0, peer.inflight - amount)
+            return self._refuse(src, "credit", f"malformed: bytes={amount!r}")
+        if amount > peer.inflight:  # more than was sent: not from the real receiver
+            return self._refuse(src, "credit", f"{amount} bytes, but {peer.inflight} in flight")
+        peer.inflight -= amount
         if free:
-            self.stats.rejected += peer.shm.free(free) if peer.shm else 1
+            if peer.shm is None or not peer.shm.owns(meta.get("token")):
+                return self._refuse(src, "credit", "slots freed without the segment's token")
+            bad = peer.shm.free(free)
+            if bad:
+                self._refuse(src, "credit", f"{bad} freed slots that are not in use")
         self._flush(peer)
+        return None
 
     def _on_offer(self, src: int, meta: dict[str, Any]) -> None:
         if self._shm_in is None:
             reply = {"op": "shm_refused", "reason": "shared memory is off here"}
+        elif self._shm_in.token_of(src) is not None:  # one segment per sender, for life
+            return self._refuse(src, "shm_offer", "a segment from this rank is mapped already")
         else:
             reply = self._shm_in.accept(src, meta)
         self._send_control(self._peer(src), reply)
+        return None
 
     def _on_ready(self, src: int, meta: dict[str, Any]) -> None:
         peer = self._peers.get(src)
         if peer is None or peer.shm is None or not peer.shm.ready(meta.get("token")):
-            self.stats.rejected += 1
-            return
+            return self._refuse(src, "shm_ready", "no offer with that token")
         self._flush(peer)
+        return None
 
     def _on_refused(self, src: int, meta: dict[str, Any]) -> None:
         peer = self._peers.get(src)
-        if peer is None or peer.shm is None:
-            self.stats.rejected += 1
-            return
+        if peer is None or peer.shm is None or peer.shm.state != "offered":
+            return self._refuse(src, "shm_refused", "no offer was pending")
         peer.shm.refused(meta.get("reason"))
+        return None
 
     def send_control(self, dst: int, meta: dict[str, Any]) -> None:
         """Send a small control message (abort, shutdown...) that skips the credit queue."""

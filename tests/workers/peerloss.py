@@ -1,8 +1,9 @@
 """Kill (or freeze) one rank at a chosen point and record what the survivors raised.
 
 Run by tests/faults/test_peer_loss.py as `myelin run -n N peerloss.py --out DIR MODE`.
-MODE is where rank VICTIM dies: forward, backward, allreduce, optimizer (SIGKILL), or
-silent (SIGSTOP: alive but mute). The victim writes the time it died to victim.json.
+MODE is where rank VICTIM dies: forward, backward, allreduce, optimizer (SIGKILL); or it
+goes silent in forward: silent (its heartbeats stop and it hangs) or frozen (SIGSTOP).
+The victim writes the time it died to victim.json.
 """
 
 import argparse
@@ -33,7 +34,8 @@ class Slow(torch.nn.Module):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("mode", choices=["forward", "backward", "allreduce", "optimizer", "silent"])
+    modes = ["forward", "backward", "allreduce", "optimizer", "silent", "frozen"]
+    parser.add_argument("mode", choices=modes)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     trainer = None
@@ -44,12 +46,15 @@ def main():
         time.sleep(0.1)  # in the middle of the operation; its heartbeat has gone out
         with open(os.path.join(args.out, "victim.json"), "w") as f:
             json.dump({"time": time.time(), "where": where}, f)
-        os.kill(os.getpid(), signal.SIGSTOP if args.mode == "silent" else signal.SIGKILL)
+        if args.mode == "silent":  # alive, but nothing comes from it any more
+            trainer.liveness._stop.set()
+            time.sleep(120)
+        os.kill(os.getpid(), signal.SIGSTOP if args.mode == "frozen" else signal.SIGKILL)
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 8), Slow(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]
     model = torch.nn.Sequential(*layers)
-    if args.mode in ("forward", "silent"):
+    if args.mode in ("forward", "silent", "frozen"):
         model[2].register_forward_hook(lambda *a: die("forward"))
     if args.mode == "backward":
         model[2].register_full_backward_hook(lambda *a: die("backward"))
