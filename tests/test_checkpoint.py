@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from myelin import Trainer
+from myelin import ConfigError, Trainer
 from myelin.checkpoint import CheckpointError, latest_version, verify
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -96,7 +96,7 @@ def test_mismatched_model_says_what_differs(tmp_path):
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(ConfigError, match="resume=.* no complete checkpoint"):
         Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path / "nothing")
 
 
