@@ -186,7 +186,7 @@ class EventLoop:
                         out = stage.evaluate(
                             self._inputs.pop(mb), targets[mb] if stage.is_last else None
                         )
-                    ready.forwards_done += 1
+                    ready.ran("F", mb)
                     if stage.is_last:
                         losses.append(out)
                     else:
@@ -315,7 +315,7 @@ class EventLoop:
                     outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out)
                 except InputMismatch as exc:
                     raise self._misfit(mb, inputs, exc.__cause__) from exc.__cause__
-            ready.forwards_done += 1
+            ready.ran("F", mb)
             self.stats.forwards += 1
             if stage.is_last:
                 self._grads[mb] = ([], [], stage.loss(mb))
@@ -330,7 +330,7 @@ class EventLoop:
             in_grads, in_index = stage.backward(mb, grads, index)
         self._prefetch()
         self._losses[mb] = loss
-        ready.backwards_done += 1
+        ready.ran("B", mb)
         self.stats.backwards += 1
         if not stage.is_first:
             self._send(stage.index - 1, "gradient", mb, in_grads, {"index": in_index, "loss": loss})
@@ -593,9 +593,10 @@ class EventLoop:
             f"waited {waited:.1f}s in step {self._step}"
         )
         if evaluating:
-            if ready.forwards_done < ready.microbatches:
+            missing = ready.next_missing_forward()
+            if missing is not None:
                 return (
-                    f"{where} (evaluation) for the activation of microbatch {ready.forwards_done} "
+                    f"{where} (evaluation) for the activation of microbatch {missing} "
                     f"from rank {self.world.peer(self.stage.index - 1)}"
                 )
             last = self.world.peer(self.stage.num_stages - 1)

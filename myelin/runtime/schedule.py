@@ -51,6 +51,24 @@ class Ready:
     backward: set[int] = field(default_factory=set)  # microbatches whose output grads are here
     forwards_done: int = 0
     backwards_done: int = 0
+    forwarded: set[int] = field(default_factory=set)  # microbatches whose forward ran here
+    backwarded: set[int] = field(default_factory=set)
+
+    def ran(self, kind: str, mb: int) -> None:
+        """Count an operation that ran."""
+        if kind == "F":
+            self.forwards_done += 1
+            self.forwarded.add(mb)
+        else:
+            self.backwards_done += 1
+            self.backwarded.add(mb)
+
+    def next_missing_forward(self) -> int | None:
+        """The smallest microbatch whose activation has not come (nor run), if any."""
+        for mb in range(self.microbatches):
+            if mb not in self.forwarded and mb not in self.forward:
+                return mb
+        return None
 
     @property
     def inflight(self) -> int:
@@ -82,12 +100,13 @@ class Policy:
         return ready.stage == ready.num_stages - 1
 
     def waiting_for(self, ready: Ready) -> Action | None:
-        """The action this policy would run next if its message had arrived."""
-        if ready.inflight > 0:
-            return Action(ready.stage, "B", ready.backwards_done)
-        if ready.forwards_done < ready.microbatches:
-            return Action(ready.stage, "F", ready.forwards_done)
-        return None
+        """The action this policy would run next if its message had arrived: the oldest
+        backward whose gradient has not come, else the first forward whose input has not."""
+        waiting = ready.forwarded - ready.backwarded - ready.backward
+        if waiting:
+            return Action(ready.stage, "B", min(waiting))
+        mb = ready.next_missing_forward()
+        return Action(ready.stage, "F", mb) if mb is not None else None
 
 
 class FixedPolicy(Policy):

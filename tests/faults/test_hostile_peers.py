@@ -413,14 +413,6 @@ def test_messages_far_ahead_do_not_crowd_out_the_next_step():
         pytest.fail(f"the real activation was crowded out: {exc}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Policy.waiting_for (schedule.py, message-driven) names microbatch "
-    "`forwards_done` as the one awaited, assuming activations come in order: when a real "
-    "activation was dropped (crowded out, or taken by a forgery) and later ones ran, the "
-    "DeadlineError names the wrong microbatch ('activation of microbatch 2' here, where 0 "
-    "never came). Fix: name the smallest microbatch whose forward has not run",
-)
 def test_deadline_names_the_microbatch_that_never_came():
     m = 3
     loop = _last_stage(_Inbox([_act(1), _act(2)]), m, timeout_s=0.3)

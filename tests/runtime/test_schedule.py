@@ -54,9 +54,9 @@ def test_message_driven_prefers_backward_then_oldest_and_bounds_stage0_window():
     policy = make_policy("message-driven", max_inflight=2)
     ready = Ready(0, 2, 8, forward=set(range(8)))
     assert policy.pick(ready) == Action(0, "F", 0)
-    ready.forward.discard(0)
-    ready.forwards_done = 2
-    ready.forward.discard(1)
+    for mb in (0, 1):
+        ready.forward.discard(mb)
+        ready.ran("F", mb)
     assert policy.pick(ready) is None  # window of 2 full: wait for a gradient
     assert policy.waiting_for(ready) == Action(0, "B", 0)
     ready.backward = {1, 0}
