@@ -28,6 +28,7 @@ from myelin.offload.pool import HostPool
 from myelin.profile.timeline import Timeline
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.group import World, average_gradients, sum_gradients
+from myelin.runtime.logs import Throttled
 from myelin.runtime.messages import Message
 from myelin.runtime.schedule import Action, Policy, Ready
 from myelin.runtime.stage import InputMismatch, Stage, as_tuple
@@ -88,6 +89,7 @@ class EventLoop:
             p.numel() * p.element_size() for p in stage.module.parameters() if p.requires_grad
         )
         self.stats = LoopStats()
+        self._warn = Throttled(log)
         self.flight = FlightRecorder(world.rank)  # the trainer shares its own
         self.liveness: Any = None  # heartbeats (runtime/liveness.py), when peers exist
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
@@ -577,7 +579,7 @@ class EventLoop:
             f"reject {msg.kind} from rank {msg.src} (step {msg.step}, microbatch "
             f"{msg.microbatch}): {reason}"
         )
-        log.warning(
+        self._warn.warning(
             "rank %d: dropped %s message from rank %d (step %d, microbatch %d): %s",
             self.world.rank,
             msg.kind,

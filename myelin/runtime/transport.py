@@ -34,6 +34,7 @@ import zmq
 
 from myelin.errors import ConfigError, DeadlineError, MessageError
 from myelin.runtime import shm
+from myelin.runtime.logs import Throttled
 from myelin.runtime.messages import Message, MessageLimits, decode, encode
 
 __all__ = ["TransportConfig", "TransportStats", "Transport"]
@@ -210,6 +211,7 @@ class Transport:
         self.world_size = world_size
         self.config = config or TransportConfig()
         self.stats = TransportStats()
+        self._warn = Throttled(log)  # rejections: a flood must not flood the log
         self._store = store
         self._prefix = prefix
         self._ctx = zmq.Context()
@@ -498,11 +500,13 @@ class Transport:
             msg = decode(frames, self.config.limits, fetch=fetch)
         except MessageError as exc:
             self.stats.rejected += 1
-            log.warning("rank %d: rejected a message: %s", self.rank, exc)
+            self._warn.warning("rank %d: rejected a message: %s", self.rank, exc)
             return None
         if not 0 <= msg.src < self.world_size or msg.src == self.rank:
             self.stats.rejected += 1
-            log.warning("rank %d: rejected a message from unknown rank %d", self.rank, msg.src)
+            self._warn.warning(
+                "rank %d: rejected a message from unknown rank %d", self.rank, msg.src
+            )
             return None
         if msg.kind == "control" and msg.meta.get("op") in _CONTROL_OPS:
             _CONTROL_OPS[msg.meta["op"]](self, msg.src, msg.meta)
@@ -568,7 +572,7 @@ class Transport:
     def _refuse(self, src: int, op: str, why: str) -> None:
         """Count and log a control message this rank will not act on."""
         self.stats.rejected += 1
-        log.warning("rank %d: ignored %s from rank %d: %s", self.rank, op, src, why)
+        self._warn.warning("rank %d: ignored %s from rank %d: %s", self.rank, op, src, why)
 
     def _on_credit(self, src: int, meta: dict[str, Any]) -> None:
         peer = self._peers.get(src)
