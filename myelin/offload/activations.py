@@ -9,7 +9,8 @@ its kernels, and results, are exactly those of training without offload.
 
 `prefetch_ahead` starts bringing back the pages of the next backwards, `fetch` makes
 sure all of a microbatch's pages are back when its backward starts, and `release`
-frees them after it.
+frees them after it. On a machine without a GPU the "device" is host memory too, so a
+page comes back as a view of its pool memory (still accounted as resident), not a copy.
 """
 
 from __future__ import annotations
@@ -208,8 +209,8 @@ class ActivationStore:
         self._grow(entry, nbytes, f"bringing back microbatch {mb}")
         for page in todo:
             page.early = early
-            if self._stream is None:
-                page.device_copy = page.host.clone()
+            if self._stream is None:  # host and device are one memory: a view, no copy
+                page.device_copy = page.host
                 continue
             with torch.cuda.stream(self._stream):
                 if page.ready is not None:
@@ -237,8 +238,10 @@ class ActivationStore:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(page.ready)
             page.device_copy.record_stream(current)
+        copy = page.device_copy  # uint8, perhaps a view into a pool slab
+        offset = copy.storage_offset() // view.dtype.itemsize + view.offset
         out = torch.empty(0, dtype=view.dtype, device=self.device)
-        return out.set_(page.device_copy.untyped_storage(), view.offset, view.size, view.stride)
+        return out.set_(copy.untyped_storage(), offset, view.size, view.stride)
 
     def release(self, mb: int) -> None:
         """Forget microbatch `mb` after its backward: free its pages and its accounting."""
