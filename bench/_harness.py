@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import queue
 import socket
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -120,3 +123,58 @@ def _memory_gib() -> float | None:
     except (ValueError, OSError, AttributeError):
         return None
     return round(pages * size / 2**30, 1)
+
+
+# -- worker processes that a parent drives over stdin/stdout ------------------------------
+
+TAG = "@bench "  # prefix of a worker's protocol lines on stdout
+
+
+def reply(obj: dict[str, Any]) -> None:
+    """A worker's answer to its parent: one tagged JSON line on stdout."""
+    print(TAG + json.dumps(obj), flush=True)
+
+
+def reader(proc: subprocess.Popen) -> queue.Queue:
+    """A queue of the process's protocol replies; None once its stdout closes."""
+    replies: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            if line.startswith(TAG):
+                replies.put(json.loads(line[len(TAG) :]))
+        replies.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return replies
+
+
+def send_all(procs: Sequence[subprocess.Popen], cmd: dict[str, Any]) -> None:
+    """One JSON command line to every worker still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.stdin.write(json.dumps(cmd) + "\n")
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+
+
+def stop_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    """Ask every worker to quit; kill what is still running after `timeout_s`."""
+    send_all(procs, {"quit": True})
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def timed_steps(step: Callable[[Any], Any], batches: Sequence[Any]) -> list[float]:
+    """Run the steps back to back; the seconds between consecutive step ends."""
+    ends = [time.perf_counter()]
+    for mbs in batches:
+        step(mbs)
+        ends.append(time.perf_counter())
+    return [b - a for a, b in zip(ends, ends[1:], strict=False)]

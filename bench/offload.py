@@ -54,7 +54,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -62,9 +61,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _harness import free_port, print_table, summary, write_json
+from _harness import (
+    free_port,
+    print_table,
+    reader,
+    reply,
+    send_all,
+    stop_all,
+    summary,
+    timed_steps,
+    write_json,
+)
 
-_TAG = "@bench "  # prefix of the worker's protocol lines on stdout
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SCHEDULE = "gpipe"
 MAX_COST = 0.15  # the target: both offloads cost at most 15% of tokens/s against none
@@ -202,7 +210,11 @@ class MyelinWorker:
         return out
 
     def close(self) -> None:
-        self.trainer.close()
+        """Ask every rank to quit; kill what is still running after a while."""
+        stop_all(self.procs, 30)
+
+    def _send(self, cmd: dict[str, Any]) -> None:
+        send_all(self.procs, cmd)
 
 
 class TorchWorker:
@@ -286,15 +298,6 @@ class TorchWorker:
         pass
 
 
-def timed_steps(step: Step, batches: list[list[tuple[Any, Any]]]) -> list[float]:
-    """Run the steps back to back; the seconds between consecutive step ends."""
-    ends = [time.perf_counter()]
-    for mbs in batches:
-        step(mbs)
-        ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:])]
-
-
 def serve(name: str, plan: Plan) -> None:
     """A worker process: build the configuration, warm up, then run what the parent asks.
 
@@ -313,7 +316,7 @@ def serve(name: str, plan: Plan) -> None:
         worker.count_saved(batches[max(plan.warmup - 1, 0)])
     else:
         timed_steps(worker.step, batches[max(plan.warmup - 1, 0) : plan.warmup])
-    _reply({"ready": True, "stats": worker.stats()})
+    reply({"ready": True, "stats": worker.stats()})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
@@ -322,19 +325,15 @@ def serve(name: str, plan: Plan) -> None:
             diag = [worker.diagnose(mbs) for mbs in batches[-DIAGNOSE_STEPS:]]
             keys = {k for d in diag for k in d}
             diag_median = {k: statistics.median(d.get(k, 0.0) for d in diag) for k in keys}
-            _reply({"diagnose": diag_median, "stats": worker.stats()})
+            reply({"diagnose": diag_median, "stats": worker.stats()})
             continue
         todo = batches[cmd["first"] : cmd["first"] + cmd["count"]]
         cpu0 = time.process_time()  # every thread of this process
         seconds = timed_steps(worker.step, todo)
         cpu = time.process_time() - cpu0
         tokens = [tokens_of(mbs) for mbs in todo]
-        _reply({"seconds": seconds, "tokens": tokens, "cpu_s": cpu, "stats": worker.stats()})
+        reply({"seconds": seconds, "tokens": tokens, "cpu_s": cpu, "stats": worker.stats()})
     worker.close()
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    print(_TAG + json.dumps(obj), flush=True)
 
 
 # -- the parent: one Job per configuration, taking turns --------------------------------
@@ -366,7 +365,7 @@ class Job:
                     stderr=err, text=True,
                 )  # fmt: skip
             self.procs.append(proc)
-            self.replies.append(_reader(proc))
+            self.replies.append(reader(proc))
 
     def wait(self) -> list[dict[str, Any]]:
         """Every rank's next reply; a dead or silent rank raises with its log's tail."""
@@ -405,20 +404,6 @@ class Job:
                     proc.stdin.flush()
                 except BrokenPipeError:
                     pass
-
-
-def _reader(proc: subprocess.Popen) -> queue.Queue:
-    """A queue of the process's protocol replies; None once its stdout closes."""
-    replies: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            if line.startswith(_TAG):
-                replies.put(json.loads(line[len(_TAG) :]))
-        replies.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return replies
 
 
 def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:

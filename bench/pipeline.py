@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -50,12 +49,21 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _harness import free_port, print_table, summary, write_json
+from _harness import (
+    free_port,
+    print_table,
+    reader,
+    reply,
+    send_all,
+    stop_all,
+    summary,
+    timed_steps,
+    write_json,
+)
 
 STAGES = 2
 MIN_VARLEN = 32
 CONFIGS = ("fixed", "varlen")
-_TAG = "@bench "  # prefix of the worker's protocol lines on stdout
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -237,15 +245,6 @@ def torch_step(plan: Plan, schedule: str) -> tuple[Step, Callable[[], None]]:
     return step, dist.destroy_process_group
 
 
-def timed_steps(step: Step, batches: list[list[tuple[Any, Any]]]) -> list[float]:
-    """Run the steps back to back; the seconds between consecutive step ends."""
-    ends = [time.perf_counter()]
-    for mbs in batches:
-        step(mbs)
-        ends.append(time.perf_counter())
-    return [b - a for a, b in zip(ends, ends[1:], strict=False)]
-
-
 def serve(peer: Peer, plan: Plan, config: str) -> None:
     """A worker process: build the peer, warm up, then run the steps the parent asks for.
 
@@ -266,7 +265,7 @@ def serve(peer: Peer, plan: Plan, config: str) -> None:
     batches = {config: make_batches(plan, config)}
     timed_steps(step, batches[config][: plan.warmup])
     answers = peer.kind == "pair" or int(os.environ.get("RANK", "0")) == 0
-    _reply({"ready": True})
+    reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
@@ -274,12 +273,8 @@ def serve(peer: Peer, plan: Plan, config: str) -> None:
         todo = batches[cmd["config"]][cmd["first"] : cmd["first"] + cmd["count"]]
         seconds = timed_steps(step, todo)
         tokens = [real_tokens(mbs) for mbs in todo]
-        _reply({"seconds": seconds, "tokens": tokens} if answers else {})
+        reply({"seconds": seconds, "tokens": tokens} if answers else {})
     close()
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    print(_TAG + json.dumps(obj), flush=True)
 
 
 # -- the parent: one Job per peer, taking turns ------------------------------------------------
@@ -309,7 +304,7 @@ class Job:
                     stderr=err, text=True,
                 )  # fmt: skip
             self.procs.append(proc)
-            self.replies.append(_reader(proc))
+            self.replies.append(reader(proc))
 
     def wait(self) -> list[dict[str, Any]]:
         """Every rank's next reply; a dead or silent rank raises with its log's tail."""
@@ -339,37 +334,11 @@ class Job:
         return {"seconds": [t / v for t, v in zip(tokens, rates, strict=True)], "tokens": tokens}
 
     def close(self) -> None:
-        """Ask every rank to quit; kill what is still running after a few seconds."""
-        self._send({"quit": True})
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Ask every rank to quit; kill what is still running after a while."""
+        stop_all(self.procs, 20)
 
     def _send(self, cmd: dict[str, Any]) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    proc.stdin.write(json.dumps(cmd) + "\n")
-                    proc.stdin.flush()
-                except BrokenPipeError:
-                    pass
-
-
-def _reader(proc: subprocess.Popen) -> queue.Queue:
-    """A queue of the process's protocol replies; None once its stdout closes."""
-    replies: queue.Queue = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            if line.startswith(_TAG):
-                replies.put(json.loads(line[len(_TAG) :]))
-        replies.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return replies
+        send_all(self.procs, cmd)
 
 
 def measure(plan: Plan, tmp: str) -> dict[str, dict[str, dict[str, list]]]:
