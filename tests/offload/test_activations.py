@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import myelin.offload.pool as pool_mod
 from myelin import DeviceMemoryError, HostMemoryError
 from myelin.models import GPT, GPTConfig, lm_loss
 from myelin.offload.activations import ActivationStore
@@ -23,19 +22,7 @@ GIB = 1 << 30
 MICROBATCHES = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds spinning on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def roomy_machine(monkeypatch):
-    """Pretend the host has plenty of free memory, so results do not depend on this machine."""
-    monkeypatch.setattr(pool_mod, "_read_meminfo", lambda: {"MemTotal": GIB, "MemAvailable": GIB})
+pytestmark = pytest.mark.usefixtures("one_thread", "roomy_machine")
 
 
 # -- models that save different kinds of tensors ------------------------------------------

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-import myelin.offload.pool as pool_mod
 from myelin import ConfigError, DeviceMemoryError
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.optimizer import Updater
@@ -36,19 +35,7 @@ OPTIMIZERS = {
 ADAMW = OPTIMIZERS["adamw"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds spinning on a busy host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def roomy_machine(monkeypatch):
-    """Pretend the host has plenty of free memory, so results do not depend on this machine."""
-    monkeypatch.setattr(pool_mod, "_read_meminfo", lambda: {"MemTotal": GIB, "MemAvailable": GIB})
+pytestmark = pytest.mark.usefixtures("one_thread", "roomy_machine")
 
 
 class Net(nn.Module):
