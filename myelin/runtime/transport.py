@@ -176,6 +176,8 @@ class TransportStats:
     queued_for_credits: int = 0
     shm_messages: int = 0  # messages sent with at least one tensor in shared memory
     shm_fallbacks: int = 0  # large tensors sent inline because no slot was free
+    dropped_connections: int = 0  # inbox connections that closed: a peer left, or ZeroMQ
+    # cut off one that sent a frame over MessageLimits (ZMQ_MAXMSGSIZE)
 
 
 @dataclass(slots=True)
@@ -239,6 +241,7 @@ class Transport:
         frame_max = max(limits.max_tensor_bytes, limits.max_header_bytes)
         self._inbox.setsockopt(zmq.MAXMSGSIZE, frame_max)
         self.secure_server(self._inbox)
+        self._monitor = self._inbox.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.address = self._bind(kind)
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
@@ -478,6 +481,14 @@ class Transport:
 
     def _drain(self) -> None:
         """Take what waits in the inbox: control messages act now, the rest wait for poll."""
+        while self._monitor.getsockopt(_EVENTS) & _POLLIN:
+            self._monitor.recv_multipart(flags=_NOBLOCK)  # an event: a connection closed
+            self.stats.dropped_connections += 1
+            self._warn.warning(
+                "rank %d: a connection to its inbox closed (a peer left, or sent a frame over "
+                "MessageLimits.max_tensor_bytes and was cut off)",
+                self.rank,
+            )
         for _ in range(_DRAIN_MAX):
             if not self._inbox.getsockopt(_EVENTS) & _POLLIN:
                 return
@@ -632,6 +643,8 @@ class Transport:
         if self._shm_in is not None:
             self._shm_in.close()
         self._tracked.clear()
+        self._inbox.disable_monitor()
+        self._monitor.close(linger=0)
         self._inbox.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

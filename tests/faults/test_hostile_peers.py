@@ -267,22 +267,15 @@ def test_frame_over_the_limit_is_cut_off_and_later_messages_arrive(pair):
     assert torch.equal(_pump(a, b, until=lambda: b.stats.received_messages)[0].tensors[0], t)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Transport sets ZeroMQ's MAXMSGSIZE on the inbox (max of max_tensor_bytes and "
-    "max_header_bytes): a bigger frame makes ZeroMQ drop the sender's connection before "
-    "myelin sees it, so it is neither counted in stats.rejected nor logged. Fix: watch the "
-    "inbox with a socket monitor and count (and log, rate-limited) disconnects for protocol "
-    "errors",
-)
 def test_frame_over_the_limit_is_counted_and_logged(pair, caplog):
     a, b, raw = pair
     raw.setsockopt(zmq.LINGER, 1000)
     raw.connect(b.address)
     caplog.set_level(logging.WARNING, logger="myelin")
     raw.send_multipart(OVERSIZE.frames)
-    _pump(a, b, until=lambda: b.stats.rejected >= 1, timeout=2.0)
-    assert caplog.records
+    _pump(a, b, until=lambda: b.stats.dropped_connections >= 1, timeout=2.0)
+    assert b.stats.received_messages == 0
+    assert any("over MessageLimits" in r.getMessage() for r in caplog.records)
 
 
 def test_forged_credit_cannot_lift_the_inflight_budget(pair):
