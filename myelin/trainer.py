@@ -229,9 +229,12 @@ class Trainer:
         cfg, world = self.config, self.world
         self.module, tied = self._place_stage(model)
         dtype = compute_dtype(self.precision)
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        # Masters start from the fp32 weights, not from their half-precision rounding.
+        initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
         self.module.to(dtype)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        activations = self._build_memory(params, optimizer)
+        activations = self._build_memory(params, optimizer, initial)
         if world.layout.world_size > 1:
             generation = world.store.add(f"myelin/trainers/{world.rank}", 1)
             self.transport = Transport(
@@ -288,13 +291,20 @@ class Trainer:
         self.steps_done = 0  # training steps
         self._seq = 0  # training and evaluation steps: the step number messages carry
 
-    def _build_memory(self, params: list[nn.Parameter], optimizer: Callable) -> ActivationStore:
+    def _build_memory(
+        self, params: list[nn.Parameter], optimizer: Callable, initial: list[torch.Tensor] | None
+    ) -> ActivationStore:
         """The device budget, the host pool, the activation store and the updater."""
         world, off = self.world, self.offload
         mode = off.optimizer_mode(world.device.type)
         self.pool: HostPool | None = None
         if off.enabled:
-            ranks_here = self.world_size if world.same_host else 1
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            ranks_here = (
+                int(local)
+                if local.isdigit() and int(local) > 0
+                else (self.world_size if world.same_host else 1)
+            )
             limit = off.host_memory_limit or default_host_limit(ranks_here)
             pin = world.device.type == "cuda"
             self.pool = HostPool(limit, slab_bytes=off.slab_bytes, pin=pin)
@@ -319,6 +329,7 @@ class Trainer:
                 budget=self.budget,
                 pool=self.pool,
                 bucket_bytes=off.bucket_bytes,
+                initial=initial,
             )
         elif self.precision == "fp16" and self.world_size > 1:
             raise ConfigError(
@@ -544,7 +555,7 @@ class Trainer:
             try:
                 path = self.flight.dump(self.flight_dir, error)
                 where = f"written to {path}"
-            except OSError as write_exc:
+            except Exception as write_exc:  # never hide the real error behind this one
                 where = f"could not be written to {self.flight_dir}: {write_exc}"
             error.add_note(
                 f"flight record of rank {self.rank}, last events:\n{self.flight.summary()}\n"

@@ -74,6 +74,7 @@ class _Microbatch:
     pages: list[_Page] = field(default_factory=list)
     kept: dict[int, int] = field(default_factory=dict)  # storage pointer -> bytes on device
     resident: int = 0  # bytes this microbatch holds on the device
+    fetched: bool = False  # its backward has started: every page is back
 
 
 class ActivationStore:
@@ -187,8 +188,9 @@ class ActivationStore:
         """Bring back whatever of `mb` is still out, now that its backward starts; the time
         this takes is time backward waited."""
         entry = self._mbs.get(mb)
-        if entry is None or not entry.pages:
+        if entry is None or not entry.pages or entry.fetched:
             return
+        entry.fetched = True  # counted once, however often it is asked
         start = time.perf_counter()
         self._fetch(mb, early=False)
         for page in entry.pages:
@@ -229,6 +231,9 @@ class ActivationStore:
         page = view.page
         if page.device_copy is None:  # not fetched: a schedule this store did not foresee
             start = time.perf_counter()
+            if page.ready is not None:
+                page.ready.synchronize()  # the page-out copy must have landed first
+                page.ready = None
             entry = self._mbs[page.mb]
             self._grow(entry, page.nbytes, f"bringing back microbatch {page.mb}")
             page.device_copy = page.host.to(self.device, copy=True)

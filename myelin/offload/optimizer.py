@@ -47,7 +47,9 @@ class Updater:
         pool: HostPool | None = None,
         bucket_bytes: int = 32 << 20,
         overflow_group: Any = None,
+        initial: list[torch.Tensor] | None = None,
     ) -> None:
+        # initial: fp32 values the masters start from (default: the parameters themselves)
         if mode != "device" and pool is None:
             raise ConfigError(f"optimizer offload mode {mode!r} needs a host pool")
         self.params = params
@@ -60,7 +62,7 @@ class Updater:
         self.device = params[0].device if params else torch.device("cpu")
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda and mode != "device" else None
-        self.masters = self._make_masters()
+        self.masters = self._make_masters(initial or [p.detach() for p in params])
         self.optimizer = factory(self.masters)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ConfigError(
@@ -89,16 +91,18 @@ class Updater:
 
     # -- building ---------------------------------------------------------------------------
 
-    def _make_masters(self) -> list[torch.Tensor]:
+    def _make_masters(self, initial: list[torch.Tensor]) -> list[torch.Tensor]:
+        """fp32 masters from `initial`: the weights before a cast to half precision, so
+        the masters do not start rounded."""
         if self.mode == "device" and not self.half:
             return list(self.params)
         masters = []
-        for p in self.params:
+        for p, start in zip(self.params, initial, strict=True):
             if self.mode == "device":
-                m = p.detach().float().clone()
+                m = start.detach().to(p.device, torch.float32, copy=True)
             else:
                 m = self._pool_empty(p, "master weights")
-                m.copy_(p.detach())
+                m.copy_(start.detach())
             masters.append(nn.Parameter(m))
         return masters
 
@@ -150,6 +154,10 @@ class Updater:
             for b in range(len(self._buckets)):
                 if b not in self._copied:
                     self._copy_grads(b)
+            if self.scaler is not None:  # the overflow check reads every host gradient
+                for event in self._copied.values():
+                    if event is not None:
+                        event.synchronize()
         elif self.mode == "device":
             for p, m in zip(self.params, self.masters, strict=True):
                 m.grad = None if p.grad is None else p.grad.detach().float()
@@ -391,12 +399,17 @@ class Updater:
         return {"optimizer": sd, "masters": masters, "loss_scale": scaler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.pool is not None:  # the loaded state replaces what the pool holds now
-            for entry in self.optimizer.state.values():
-                for t in entry.values():
-                    if isinstance(t, torch.Tensor) and self.pool.owns(t):
-                        self.pool.free(t)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self._stream is not None:  # copies from the masters may still be in flight
+            self._stream.synchronize()
+        old = [
+            t
+            for entry in self.optimizer.state.values()
+            for t in entry.values()
+            if isinstance(t, torch.Tensor) and self.pool is not None and self.pool.owns(t)
+        ]
+        self.optimizer.load_state_dict(state["optimizer"])  # raises before anything is freed
+        for t in old:  # the loaded state replaces what the pool held
+            self.pool.free(t)
         masters = state.get("masters")
         with torch.no_grad():
             if masters is not None:
@@ -415,6 +428,8 @@ class Updater:
         """Masters take the parameters' values (after the parameters were loaded)."""
         if self.masters is self.params:
             return
+        if self._stream is not None:
+            self._stream.synchronize()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 m.copy_(p)

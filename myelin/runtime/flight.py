@@ -41,7 +41,7 @@ class FlightRecorder:
 
     def summary(self, last: int = 6) -> str:
         """The last events, oldest first, one per line."""
-        events = list(self.events)[-last:]
+        events = list(self.events)[-last:]  # a snapshot: other threads note too
         if not events:
             return "  (no events recorded)"
         end = events[-1][0]
@@ -55,7 +55,7 @@ class FlightRecorder:
             "rank": self.rank,
             "doing": self.doing,
             "error": None if error is None else f"{_name(error)}: {error}",
-            "events": [{"time": t, "event": what} for t, what in self.events],
+            "events": [{"time": t, "event": what} for t, what in list(self.events)],
         }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))

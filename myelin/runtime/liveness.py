@@ -12,6 +12,7 @@ no rank hangs in a collective that will never finish.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -110,7 +111,23 @@ class Liveness:
         self._stop = threading.Event()
         self._closed = False
         self._main = threading.main_thread().ident
+        self._peers: dict[int, _Peer] = {}
         self._inbox = self._ctx.socket(zmq.PULL)
+        try:
+            self._connect(store, world_size, prefix, connect_timeout_s)
+        except BaseException:  # a context with open sockets could never terminate
+            for peer in self._peers.values():
+                peer.sock.close(linger=0)
+            self._inbox.close(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"myelin-heartbeat-{rank}")
+        self._thread.daemon = True
+        self._thread.start()
+        atexit.register(self.close)  # a script that ends without close() still says goodbye
+
+    def _connect(self, store: Any, world_size: int, prefix: str, connect_timeout_s: float) -> None:
+        """Bind the heartbeat inbox, publish it, and connect to every other rank's."""
+        rank, transport = self.rank, self._transport
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.setsockopt(zmq.MAXMSGSIZE, _MAX_BEAT_BYTES)
         transport.secure_server(self._inbox)
@@ -119,7 +136,6 @@ class Liveness:
         store.set(f"{prefix}/hb/{rank}", msgpack.packb(me))
         keys = [f"{prefix}/hb/{r}" for r in range(world_size) if r != rank]
         store.wait(keys, timedelta(seconds=connect_timeout_s))
-        self._peers: dict[int, _Peer] = {}
         start = time.monotonic()
         for r in range(world_size):
             if r == rank:
@@ -132,9 +148,6 @@ class Liveness:
             sock.connect(info["addr"])
             pid = info["pid"] if info["host"] == me["host"] else None
             self._peers[r] = _Peer(r, sock, pid, start)
-        self._thread = threading.Thread(target=self._run, name=f"myelin-heartbeat-{rank}")
-        self._thread.daemon = True
-        self._thread.start()
 
     # -- the main thread's side -----------------------------------------------------------
 
@@ -155,6 +168,7 @@ class Liveness:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
         bye = msgpack.packb({"rank": self.rank, "doing": "closed its trainer", "bye": True})
@@ -262,8 +276,8 @@ class Liveness:
         if self.flight_dir is not None:
             try:
                 self.flight.dump(self.flight_dir(), self.lost)
-            except OSError:
-                pass
+            except Exception:  # the exit below must happen whatever the disk says
+                log.exception("rank %d: could not write the flight record", self.rank)
         sys.stderr.write(f"myelin.errors.PeerLostError: {self.lost} (exiting)\n")
         sys.stderr.flush()
         os._exit(1)

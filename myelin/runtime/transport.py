@@ -133,7 +133,15 @@ class TransportConfig:
         """Whether connections are encrypted: as set, or when tcp binds beyond loopback."""
         if self.curve is not None:
             return self.curve
-        return kind == "tcp" and not _is_loopback(self.host)
+        wanted = kind == "tcp" and not _is_loopback(self.host)
+        if wanted and not zmq.has("curve"):
+            log.warning(
+                "TransportConfig.curve: tcp binds %s, beyond loopback, but this pyzmq has no "
+                "CURVE support; connections are not encrypted",
+                self.host,
+            )
+            return False
+        return wanted
 
 
 def _is_address(host: str) -> bool:
@@ -648,7 +656,7 @@ class Transport:
         self._inbox.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket still open, so this never blocks
         for path in (self._ipc_path, *self._extra_paths):
             if path and os.path.exists(path):
                 os.unlink(path)

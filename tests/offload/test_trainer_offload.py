@@ -182,3 +182,14 @@ def test_a_full_host_pool_names_its_limit():
 def test_bad_memory_settings_are_named(kwargs, text):
     with pytest.raises(myelin.ConfigError, match=text.replace("(", r"\(")):
         myelin.Trainer(GPT(SMALL), torch.optim.AdamW, lm_loss, **kwargs)
+
+
+@pytest.mark.parametrize("optimizer", [False, True])
+def test_half_precision_masters_start_from_the_fp32_weights(optimizer):
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    weights = [p.detach().clone() for p in model.parameters()]
+    offload = myelin.OffloadConfig(optimizer=optimizer)
+    with myelin.Trainer(model, torch.optim.AdamW, lm_loss, precision="bf16", offload=offload) as t:
+        assert t.module.get_parameter("embed.wte.weight").dtype == torch.bfloat16
+        assert all(torch.equal(m, w) for m, w in zip(t.updater.masters, weights, strict=True))
