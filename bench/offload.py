@@ -210,11 +210,7 @@ class MyelinWorker:
         return out
 
     def close(self) -> None:
-        """Ask every rank to quit; kill what is still running after a while."""
-        stop_all(self.procs, 30)
-
-    def _send(self, cmd: dict[str, Any]) -> None:
-        send_all(self.procs, cmd)
+        self.trainer.close()
 
 
 class TorchWorker:
@@ -388,22 +384,10 @@ class Job:
 
     def close(self) -> None:
         """Ask every rank to quit; kill what is still running after a while."""
-        self._send({"quit": True})
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(self.procs, 30)
 
     def _send(self, cmd: dict[str, Any]) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    proc.stdin.write(json.dumps(cmd) + "\n")
-                    proc.stdin.flush()
-                except BrokenPipeError:
-                    pass
+        send_all(self.procs, cmd)
 
 
 def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:
