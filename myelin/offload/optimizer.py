@@ -82,6 +82,7 @@ class Updater:
         self._armed = False
         self._staging_peak = 0
         self._inv_scale = 1.0
+        self._stepping: list[int] = []  # the bucket whose masters hold gradients now
         if mode == "host":
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
             self._install_stream_hooks()
@@ -294,9 +295,13 @@ class Updater:
         self._staging_peak = max(self._staging_peak, nbytes)
 
     def _grads_for(self, bucket: list[int], grad: Callable[[int], torch.Tensor | None]) -> None:
-        members = set(bucket)
-        for i, m in enumerate(self.masters):
-            m.grad = grad(i) if i in members else None
+        """Give only `bucket`'s masters gradients (the step's previous bucket loses its own;
+        every other master has none between steps)."""
+        for i in self._stepping:
+            self.masters[i].grad = None
+        for i in bucket:
+            self.masters[i].grad = grad(i)
+        self._stepping = bucket
 
     def _fp32_grad(self, p: torch.Tensor) -> torch.Tensor:
         g = p.grad.float()
@@ -330,6 +335,7 @@ class Updater:
         return True
 
     def zero_grad(self) -> None:
+        self._stepping = []
         for p in self.params:
             p.grad = None
         if self.masters is not self.params:

@@ -29,11 +29,16 @@ class FlightRecorder:
 
     def __init__(self, rank: int, size: int = 512) -> None:
         self.rank = rank
-        self.events: deque[tuple[float, str]] = deque(maxlen=size)
+        # (time, format, args): formatted only when read, as the loop notes every message
+        self.events: deque[tuple[float, str, tuple]] = deque(maxlen=size)
         self.doing = "starting"  # read by the heartbeat thread: what peers see of this rank
 
-    def note(self, event: str) -> None:
-        self.events.append((time.time(), event))
+    def note(self, event: str, *args: object) -> None:
+        """Record an event: `event % args`, formatted only if the record is ever read."""
+        self.events.append((time.time(), event, args))
+
+    def _lines(self) -> list[tuple[float, str]]:
+        return [(t, fmt % args if args else fmt) for t, fmt, args in list(self.events)]
 
     def now(self, doing: str) -> None:
         """Say what this rank is doing (sent to peers with each heartbeat)."""
@@ -41,7 +46,7 @@ class FlightRecorder:
 
     def summary(self, last: int = 6) -> str:
         """The last events, oldest first, one per line."""
-        events = list(self.events)[-last:]  # a snapshot: other threads note too
+        events = self._lines()[-last:]  # a snapshot: other threads note too
         if not events:
             return "  (no events recorded)"
         end = events[-1][0]
@@ -55,7 +60,7 @@ class FlightRecorder:
             "rank": self.rank,
             "doing": self.doing,
             "error": None if error is None else f"{_name(error)}: {error}",
-            "events": [{"time": t, "event": what} for t, what in list(self.events)],
+            "events": [{"time": t, "event": what} for t, what in self._lines()],
         }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))

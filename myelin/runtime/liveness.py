@@ -191,14 +191,16 @@ class Liveness:
                 now = time.monotonic()
                 # Beat on time, and also soon after the rank starts something new, so
                 # peers know what it was doing if it dies.
-                if now >= next_beat or self.flight.doing is not told:
+                on_time = now >= next_beat
+                if on_time or self.flight.doing is not told:
                     told = self.flight.doing
                     self._beat(told)
                     next_beat = now + self.heartbeat_s
                 wait_ms = min(_NEWS_S, next_beat - now) * 1000
                 if dict(poller.poll(timeout=max(1, int(wait_ms)))):
                     self._take()
-                self._look(time.monotonic(), beats=True)
+                if on_time:  # look at peers' processes once a beat, not every 10 ms
+                    self._look(time.monotonic(), beats=True)
                 if self.lost is not None:
                     self._escalate()
                     return

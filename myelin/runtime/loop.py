@@ -244,11 +244,12 @@ class EventLoop:
         self._handle(early, ready)
 
     def _drive(self, ready: Ready) -> None:
-        last_progress = time.monotonic()
+        last_progress, idle = time.monotonic(), False
         while ready.backwards_done < ready.microbatches:
             self._flush_outbox()
             action = self.policy.pick(ready)
             if action is not None:
+                idle = False
                 self._run(action, ready)
                 if self.transport is not None:
                     self._handle(self._poll_now(), ready)
@@ -256,10 +257,14 @@ class EventLoop:
                 continue
             if self.transport is None:
                 raise MyelinError(f"one-rank loop has nothing to run: {ready}")
-            self._prefetch()
-            self.flight.now(f"waiting to run {self.policy.waiting_for(ready)} in step {self._step}")
+            if not idle:  # once per stretch of waiting, not once per poll
+                idle = True
+                self._prefetch()
+                waiting = self.policy.waiting_for(ready)
+                self.flight.now(f"waiting to run {waiting} in step {self._step}")
             wait = self.config.poll_s if not self._outbox else 0.0005
             if self._handle(self._wait(wait), ready):
+                idle = False
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 raise DeadlineError(self._describe_wait(ready, time.monotonic() - last_progress))
@@ -303,7 +308,7 @@ class EventLoop:
         stage = self.stage
         kind = "forward" if action.kind == "F" else "backward"
         self.flight.now(f"running {action} ({kind} of microbatch {mb}) in step {self._step}")
-        self.flight.note(f"run {action}")
+        self.flight.note("run %s", action)
         timed = self.timeline.op(kind, str(action), self._step, microbatch=mb)
         if action.kind == "F":
             ready.forward.discard(mb)
@@ -419,7 +424,7 @@ class EventLoop:
     def _transmit(self, dst: int, msg: Message) -> None:
         start = self.timeline.now()
         self.transport.send(dst, msg)
-        self.flight.note(f"send {msg.kind} of microbatch {msg.microbatch} to rank {dst}")
+        self.flight.note("send %s of microbatch %d to rank %d", msg.kind, msg.microbatch, dst)
         if self.timeline.enabled:
             nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
             self._comm_span("send", "SEND", msg, dst, start, msg.step, nbytes=nbytes)
@@ -472,8 +477,11 @@ class EventLoop:
         for msg in messages:
             if msg.kind != "control":
                 self.flight.note(
-                    f"recv {msg.kind} of microbatch {msg.microbatch} (step {msg.step}) "
-                    f"from rank {msg.src}"
+                    "recv %s of microbatch %d (step %d) from rank %d",
+                    msg.kind,
+                    msg.microbatch,
+                    msg.step,
+                    msg.src,
                 )
             if msg.kind == "control" and msg.meta.get("op") == "abort":
                 self._on_abort(msg)
@@ -576,8 +584,12 @@ class EventLoop:
     def _reject(self, msg: Message, reason: str) -> None:
         self.stats.rejected += 1
         self.flight.note(
-            f"reject {msg.kind} from rank {msg.src} (step {msg.step}, microbatch "
-            f"{msg.microbatch}): {reason}"
+            "reject %s from rank %d (step %d, microbatch %d): %s",
+            msg.kind,
+            msg.src,
+            msg.step,
+            msg.microbatch,
+            reason,
         )
         self._warn.warning(
             "rank %d: dropped %s message from rank %d (step %d, microbatch %d): %s",
