@@ -178,3 +178,66 @@ def timed_steps(step: Callable[[Any], Any], batches: Sequence[Any]) -> list[floa
         step(mbs)
         ends.append(time.perf_counter())
     return [b - a for a, b in zip(ends, ends[1:], strict=False)]
+
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class Workers:
+    """One configuration's worker processes, started once, told what to run over stdin and
+    answering on stdout. `ranks` > 1 with `distributed` makes them one torch.distributed
+    world on this host; otherwise they are independent."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ranks: int,
+        tmp: str,
+        threads: int,
+        timeout_s: float,
+        distributed: bool = True,
+    ) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        slug = name.replace(" ", "-")
+        self.logs = [os.path.join(tmp, f"{slug}-{r}.log") for r in range(ranks)]
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        env.update(OMP_NUM_THREADS=str(threads), TMPDIR=tmp, PYTHONUNBUFFERED="1")
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.replies: list[queue.Queue] = []
+        for rank, log in enumerate(self.logs):
+            rank_env = dict(env)
+            if distributed and ranks > 1:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
+                rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            with open(log, "w") as err:
+                proc = subprocess.Popen(
+                    argv, env=rank_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=err, text=True,
+                )  # fmt: skip
+            self.procs.append(proc)
+            self.replies.append(reader(proc))
+
+    def wait(self) -> list[dict[str, Any]]:
+        """Every rank's next reply; a dead or silent rank raises with its log's tail."""
+        deadline = time.monotonic() + self.timeout_s
+        out = []
+        for rank, replies in enumerate(self.replies):
+            try:
+                got = replies.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                got = None
+            if got is None:
+                tail = Path(self.logs[rank]).read_text()[-3000:]
+                raise RuntimeError(f"{self.name} rank {rank} gave no answer:\n{tail}")
+            out.append(got)
+        return out
+
+    def ask(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        send_all(self.procs, cmd)
+        return self.wait()
+
+    def close(self) -> None:
+        """Ask every rank to quit; kill what is still running after a while."""
+        stop_all(self.procs, 30)

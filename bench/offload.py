@@ -49,31 +49,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from _harness import (
-    free_port,
+    Workers,
     print_table,
-    reader,
     reply,
-    send_all,
-    stop_all,
     summary,
     timed_steps,
     write_json,
 )
 
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SCHEDULE = "gpipe"
 MAX_COST = 0.15  # the target: both offloads cost at most 15% of tokens/s against none
 MIN_SHRINK = 4.0  # ... and the peak device bytes with both is at most 1/4 of none's
@@ -335,59 +328,13 @@ def serve(name: str, plan: Plan) -> None:
 # -- the parent: one Job per configuration, taking turns --------------------------------
 
 
-class Job:
-    """One configuration's processes, started once; told what to run over stdin."""
+class Job(Workers):
+    """One configuration's processes."""
 
     def __init__(self, name: str, plan: Plan, tmp: str) -> None:
-        self.name, self.timeout = name, plan.timeout_s
-        ranks = plan.ranks(name)
-        slug = name.replace(" ", "-")
-        self.logs = [os.path.join(tmp, f"{slug}-{r}.log") for r in range(ranks)]
         argv = [sys.executable, __file__, "--worker", name, "--plan", json.dumps(asdict(plan))]
         threads = 1 if CONFIGS[name][0] == "myelin" else plan.peer_threads
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        env.update(OMP_NUM_THREADS=str(threads), TMPDIR=tmp, PYTHONUNBUFFERED="1")
-        port = free_port()
-        self.procs: list[subprocess.Popen] = []
-        self.replies: list[queue.Queue] = []
-        for rank, log in enumerate(self.logs):
-            rank_env = dict(env)
-            if ranks > 1:
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
-                rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            with open(log, "w") as err:
-                proc = subprocess.Popen(
-                    argv, env=rank_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=err, text=True,
-                )  # fmt: skip
-            self.procs.append(proc)
-            self.replies.append(reader(proc))
-
-    def wait(self) -> list[dict[str, Any]]:
-        """Every rank's next reply; a dead or silent rank raises with its log's tail."""
-        deadline = time.monotonic() + self.timeout
-        out = []
-        for rank, replies in enumerate(self.replies):
-            try:
-                reply = replies.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                reply = None
-            if reply is None:
-                tail = Path(self.logs[rank]).read_text()[-3000:]
-                raise RuntimeError(f"{self.name} rank {rank} gave no answer:\n{tail}")
-            out.append(reply)
-        return out
-
-    def ask(self, cmd: dict[str, Any]) -> list[dict[str, Any]]:
-        self._send(cmd)
-        return self.wait()
-
-    def close(self) -> None:
-        """Ask every rank to quit; kill what is still running after a while."""
-        stop_all(self.procs, 30)
-
-    def _send(self, cmd: dict[str, Any]) -> None:
-        send_all(self.procs, cmd)
+        super().__init__(name, argv, plan.ranks(name), tmp, threads, plan.timeout_s)
 
 
 def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:

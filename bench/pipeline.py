@@ -37,25 +37,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from _harness import (
-    free_port,
+    Workers,
     print_table,
-    reader,
     reply,
-    send_all,
-    stop_all,
     summary,
     timed_steps,
     write_json,
@@ -64,7 +58,6 @@ from _harness import (
 STAGES = 2
 MIN_VARLEN = 32
 CONFIGS = ("fixed", "varlen")
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,51 +273,20 @@ def serve(peer: Peer, plan: Plan, config: str) -> None:
 # -- the parent: one Job per peer, taking turns ------------------------------------------------
 
 
-class Job:
-    """One peer's processes, started once; told what to run over stdin, answering on stdout."""
+class Job(Workers):
+    """One peer's processes for one config."""
 
     def __init__(self, peer: Peer, plan: Plan, tmp: str, config: str) -> None:
-        self.peer, self.plan = peer, plan
-        self.logs = [os.path.join(tmp, f"{peer.name}-{config}-{r}.log") for r in range(peer.ranks)]
+        self.peer = peer
         argv = [sys.executable, __file__, "--worker", peer.name, "--plan", json.dumps(asdict(plan))]
         argv += ["--worker-config", config]
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        env.update(OMP_NUM_THREADS=str(peer.threads), TMPDIR=tmp, PYTHONUNBUFFERED="1")
-        port = free_port()
-        self.procs: list[subprocess.Popen] = []
-        self.replies: list[queue.Queue] = []
-        for rank, log in enumerate(self.logs):
-            rank_env = dict(env)
-            if peer.kind != "pair" and peer.ranks > 1:
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(peer.ranks))
-                rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            with open(log, "w") as err:
-                proc = subprocess.Popen(
-                    argv, env=rank_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=err, text=True,
-                )  # fmt: skip
-            self.procs.append(proc)
-            self.replies.append(reader(proc))
-
-    def wait(self) -> list[dict[str, Any]]:
-        """Every rank's next reply; a dead or silent rank raises with its log's tail."""
-        deadline = time.monotonic() + self.plan.timeout_s
-        out = []
-        for rank, replies in enumerate(self.replies):
-            try:
-                reply = replies.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                reply = None
-            if reply is None:
-                tail = Path(self.logs[rank]).read_text()[-3000:]
-                raise RuntimeError(f"{self.peer.name} rank {rank} gave no answer:\n{tail}")
-            out.append(reply)
-        return out
+        name = f"{peer.name}-{config}"
+        distributed = peer.kind != "pair"
+        super().__init__(name, argv, peer.ranks, tmp, peer.threads, plan.timeout_s, distributed)
 
     def run(self, config: str, first: int, count: int) -> dict[str, list]:
         """Run `count` steps of `config` from step `first`; the step times and real tokens."""
-        self._send({"config": config, "first": first, "count": count})
-        replies = self.wait()
+        replies = self.ask({"config": config, "first": first, "count": count})
         if self.peer.kind != "pair":
             return replies[0]
         # Independent processes: per step, their rates add up; report the seconds in
@@ -332,13 +294,6 @@ class Job:
         tokens = [sum(r["tokens"][k] for r in replies) for k in range(count)]
         rates = [sum(r["tokens"][k] / r["seconds"][k] for r in replies) for k in range(count)]
         return {"seconds": [t / v for t, v in zip(tokens, rates, strict=True)], "tokens": tokens}
-
-    def close(self) -> None:
-        """Ask every rank to quit; kill what is still running after a while."""
-        stop_all(self.procs, 20)
-
-    def _send(self, cmd: dict[str, Any]) -> None:
-        send_all(self.procs, cmd)
 
 
 def measure(plan: Plan, tmp: str) -> dict[str, dict[str, dict[str, list]]]:
