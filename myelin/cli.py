@@ -12,6 +12,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from myelin import train as train_job
+from myelin.launch import launch
+from myelin.profile import command as profile_command
+from myelin.runtime.transport import _is_address
+
 __all__ = ["main", "launch"]
 
 
@@ -35,8 +40,6 @@ _port = _int_in(1, 65535, "a port")
 
 
 def _address(text: str) -> str:
-    from myelin.runtime.transport import _is_address
-
     if not _is_address(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an IP address or a host name")
     return text
@@ -71,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script (or module, with -m) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     from myelin import train as train_job
-    from myelin.profile import report
 
     train_job.add_arguments(
         sub.add_parser(
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
-    report.add_arguments(
+    profile_command.add_arguments(
         sub.add_parser(
             "profile",
             help="print where each rank sat idle and why; redraw the timeline",
@@ -91,46 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     return parser
-
-
-def launch(
-    nproc: int,
-    script: str,
-    args: Sequence[str] = (),
-    master_port: int | None = None,
-    master_addr: str = "127.0.0.1",
-    module: bool = False,
-) -> int:
-    """Run `script` in `nproc` local processes through torch's elastic launcher; exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    argv = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
-    if master_port is None:
-        argv += ["--standalone"]
-    else:
-        argv += ["--master-addr", master_addr, "--master-port", str(master_port)]
-    if module:
-        argv += ["-m"]
-    argv += [script, *args]
-    try:
-        run(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        failures = exc.failures
-        # The first process to exit with an error is the cause; the others were stopped.
-        causes = [r for r, f in failures.items() if isinstance(f.exitcode, int) and f.exitcode > 0]
-        first = min(causes or failures, key=lambda r: (failures[r].timestamp, r))
-        code = failures[first].exitcode
-        codes = {r: f.exitcode for r, f in sorted(failures.items())}
-        print(
-            f"myelin run: rank {first} failed first (exit code {code}); exit codes by rank: "
-            f"{codes}; see its error above",
-            file=sys.stderr,
-        )
-        return code if isinstance(code, int) and 0 < code < 256 else 1
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,13 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.nproc, args.script, args.args, args.master_port, args.master_addr, args.module
         )
     if args.command == "train":
-        from myelin import train as train_job
-
         return train_job.main(args)
     if args.command == "profile":
-        from myelin.profile import report
-
-        return report.main(args)
+        return profile_command.main(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 
 

@@ -35,10 +35,13 @@ from tqdm import tqdm
 
 from myelin.data import VOCAB_SIZE, Batches, TextData, decode, encode, load_stdlib_text
 from myelin.errors import ConfigError
+from myelin.launch import launch
 from myelin.models.gpt import GPT, GPTConfig, lm_loss
 from myelin.offload.config import PRECISIONS, OffloadConfig
 from myelin.offload.pool import parse_bytes
-from myelin.profile.report import ProfileConfig, account, gather_report
+from myelin.profile.accounting import account
+from myelin.profile.config import ProfileConfig
+from myelin.profile.report import gather_report
 from myelin.profile.timeline import Timeline
 from myelin.runtime.schedule import SCHEDULES
 from myelin.trainer import Trainer
@@ -333,8 +336,6 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"myelin train: error: {exc}", file=sys.stderr)
         return 2
-    from myelin.cli import launch
-
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=str(new_run_dir()))
     return launch(cfg.world_size, "myelin.train", to_argv(cfg), module=True)

@@ -40,8 +40,9 @@ from myelin.offload.optimizer import Updater
 from myelin.offload.pool import HostPool, default_host_limit, parse_bytes
 from myelin.partition import StageModule, cross_stage_ties, layers_of, split, stage_module
 from myelin.precision import compute_dtype
+from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
-from myelin.profile.report import ProfileConfig, ProfileReport, finish_profile, gather_report
+from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
 from myelin.runtime.flight import FlightRecorder, default_dir
 from myelin.runtime.group import (

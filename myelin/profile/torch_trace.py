@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from myelin.errors import MyelinError
-from myelin.profile.report import RANK_FORMAT, SPAN_FIELDS, merge_intervals
+from myelin.profile.accounting import merge_intervals
+from myelin.profile.records import RANK_FORMAT, SPAN_FIELDS
 from myelin.profile.timeline import Span
 
 __all__ = ["load_traces", "read_trace", "find_traces", "to_record"]
@@ -82,7 +83,7 @@ def find_traces(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def load_traces(paths: Sequence[str | Path], short_gap_us: float = 0.03) -> list[dict[str, Any]]:
-    """Rank records (as `report.collect` makes) from torch.profiler traces, one per rank.
+    """Rank records (as `records.collect` makes) from torch.profiler traces, one per rank.
 
     The rank comes from the trace's distributedInfo, else a 'rank<N>' in the file name,
     else the file's position. Where a rank has several traces (one per profiler cycle),

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from myelin.profile.report import add_arguments, main
+from myelin.profile.command import add_arguments, main
 from tests._procs import Job, launch
 from tests.profile.test_report import check_trace
 

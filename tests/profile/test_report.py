@@ -15,16 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from myelin.errors import ConfigError, MyelinError
+from myelin.profile.command import add_arguments, main
 from myelin.profile.report import (
     ProfileConfig,
     ProfileReport,
     account,
-    add_arguments,
     collect,
     finish_profile,
     gather,
     load,
-    main,
     merge_intervals,
 )
 from myelin.profile.timeline import IDLE_CAUSES, Span, Timeline

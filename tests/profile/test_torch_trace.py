@@ -14,7 +14,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from myelin.errors import MyelinError
-from myelin.profile.report import ProfileReport, add_arguments, main
+from myelin.profile.command import add_arguments, main
+from myelin.profile.report import ProfileReport
 from myelin.profile.torch_trace import load_traces, to_record
 
 
@@ -155,7 +156,7 @@ def test_real_cpu_trace_reports_per_rank_figures(tmp_path, capsys):
 def test_the_command_line_entry_point(tmp_path):
     small_cpu_program(tmp_path / "trace.json", wait_s=0.0)
     res = subprocess.run(
-        [sys.executable, "-m", "myelin.profile.report", str(tmp_path / "trace.json")],
+        [sys.executable, "-m", "myelin.profile.command", str(tmp_path / "trace.json")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,0 +1,144 @@
+"""The figures of a profile: per rank busy and idle shares over the steady-state steps.
+
+    summary = summarize(records, spans_by_rank, warmup_steps=1)   # shaped as summary.json
+    print(format_summary(summary))                                 # one row per rank
+
+Figures are fractions of each rank's wall time (from its first record of a step to its
+last), over the steady-state steps (after `warmup_steps`) and over the whole run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from myelin.profile.accounting import HTA_CAUSES, Interval, account
+from myelin.profile.timeline import Span
+
+__all__ = ["SUMMARY_FORMAT", "format_summary", "pct", "steady", "steps_of", "summarize"]
+
+SUMMARY_FORMAT = "myelin-profile-summary"
+
+
+def steps_of(spans: Mapping[int, Sequence[Span]]) -> list[int]:
+    """Every step number any rank recorded, in order."""
+    return sorted({s.step for rank_spans in spans.values() for s in rank_spans})
+
+
+def steady(steps: list[int], warmup_steps: int) -> list[int]:
+    """The steps after warm-up (all steps when there are no more than `warmup_steps`)."""
+    return steps[warmup_steps:] if len(steps) > warmup_steps else steps
+
+
+def summarize(
+    ranks: Sequence[dict[str, Any]],
+    spans: Mapping[int, Sequence[Span]],
+    warmup_steps: int,
+    missing: Sequence[int] = (),
+) -> dict[str, Any]:
+    """The figures of every rank's records, shaped as summary.json: {"ranks": [...], ...}."""
+    all_steps = steps_of(spans)
+    steady_steps = steady(all_steps, warmup_steps)
+    source = ranks[0].get("source", "myelin") if ranks else "myelin"
+    rows = []
+    for rec in ranks:
+        rank_spans = spans[rec["rank"]]
+        row = {k: rec.get(k) for k in ("rank", "stage", "replica", "device", "source")}
+        mine = rec.get("source", "myelin") == "myelin"
+        how = {"host_device": mine and _on_host(rec.get("device")), "hta": not mine}
+        window = _window(rank_spans, steady_steps[0] if steady_steps else None) or (0.0, 0.0)
+        row.update(account(rank_spans, *window, **how))
+        row["steps"] = [steady_steps[0], steady_steps[-1]] if steady_steps else []
+        whole = _window(rank_spans) or (0.0, 0.0)
+        row["whole_run"] = account(rank_spans, *whole, **how)
+        if rec.get("detail"):
+            row["detail"] = rec["detail"]
+        rows.append(row)
+    return {
+        "format": SUMMARY_FORMAT,
+        "version": 1,
+        "source": source,
+        "world_size": len(ranks) + len(missing),
+        "missing_ranks": sorted(missing),
+        "warmup_steps": warmup_steps,
+        "steps": [all_steps[0], all_steps[-1]] if all_steps else [],
+        "steady_steps": [steady_steps[0], steady_steps[-1]] if steady_steps else [],
+        "ranks": rows,
+        "mean": _mean(rows),
+    }
+
+
+def _window(spans: Sequence[Span], first_step: int | None = None) -> Interval | None:
+    """From the first record of `first_step` (or of anything) on to the last record."""
+    chosen = [s for s in spans if first_step is None or s.step >= first_step]
+    if not chosen:
+        return None
+    return min(s.start for s in chosen), max(s.end for s in chosen)
+
+
+def _on_host(device: str | None) -> bool:
+    """Whether records of this device are host times (CPU) rather than device times."""
+    return device is None or not str(device).startswith("cuda")
+
+
+def _mean(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rows:
+        return {}
+    keys = list(dict.fromkeys(k for r in rows for k in r["idle"]))
+    overlaps = [r["overlap_frac"] for r in rows if r["overlap_frac"] is not None]
+    return {
+        "wall_s": sum(r["wall_s"] for r in rows) / len(rows),
+        "busy_frac": sum(r["busy_frac"] for r in rows) / len(rows),
+        "idle": {k: sum(r["idle"].get(k, 0.0) for r in rows) / len(rows) for k in keys},
+        "overlap_frac": sum(overlaps) / len(overlaps) if overlaps else None,
+    }
+
+
+_SHORT = {
+    "bubble": "bubble",
+    "offload_wait": "offload",
+    "collective_wait": "collect.",
+    "optimizer_host": "opt-host",
+    "host_overhead": "host",
+    "host_wait": "host-wait",
+    "short_gap": "short-gap",
+    "other": "other",
+}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """summary.json as a table: per rank, busy and idle causes in % of its wall time."""
+    rows = summary["ranks"]
+    keys = list(dict.fromkeys(k for r in rows for k in r["idle"]))
+    if summary["source"] != "myelin":  # causes that no record of an imported trace can have
+        keys = [k for k in keys if any(r["idle"][k] for r in rows) or k in HTA_CAUSES]
+    head = ["rank", "stage", "wall s", "busy", *(_SHORT.get(k, k) for k in keys), "overlap"]
+
+    def line(r: dict[str, Any], label: str) -> list[str]:
+        cells = [label, "-" if r.get("stage") is None else str(r["stage"]), f"{r['wall_s']:.3f}"]
+        cells += [pct(r["busy_frac"])] + [pct(r["idle"].get(k, 0.0)) for k in keys]
+        return cells + ["-" if r["overlap_frac"] is None else pct(r["overlap_frac"])]
+
+    table = [head] + [line(r, str(r["rank"])) for r in rows]
+    if len(rows) > 1:
+        table.append(line(summary["mean"], "mean"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    text = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in table
+    ]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    steps = summary["steady_steps"]
+    title = f"{summary['source']} profile: {len(rows)} rank(s), % of each rank's wall time"
+    if steps:
+        title += f" over steps {steps[0]}-{steps[1]}"
+        if summary["warmup_steps"] and summary["steps"] and summary["steps"][0] < steps[0]:
+            title += f" (after {summary['warmup_steps']} warm-up)"
+    if summary.get("missing_ranks"):
+        title += f"; ranks {summary['missing_ranks']} sent no records"
+    return "\n".join([title, *text])
+
+
+def pct(x: float) -> str:
+    """A fraction as a percentage with one decimal: 0.123 -> '12.3%'."""
+    return f"{100 * x:.1f}%"
