@@ -21,17 +21,18 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from myelin.errors import MyelinError
-
-if TYPE_CHECKING:
-    from myelin.trainer import Trainer
+from myelin.offload.optimizer import Updater
+from myelin.runtime.group import World
 
 __all__ = [
+    "Checkpointable",
     "CheckpointError",
     "save",
     "load",
@@ -49,36 +50,49 @@ class CheckpointError(MyelinError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the model."""
 
 
-def save(trainer: Trainer, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores of a trainer (`myelin.Trainer` is one)."""
+
+    world: World  # the rank, its stage and replica, the layout
+    module: nn.Module  # this rank's stage
+    updater: Updater | None  # its optimizer state (None: nothing to train)
+    steps_done: int  # training steps
+    seq: int  # training and evaluation steps: the step number the next messages carry
+
+
+def save(
+    trainer: Checkpointable, path: str | os.PathLike, extra: dict[str, Any] | None = None
+) -> Path:
     """Write this rank's shard, then (rank 0) the manifest; every rank must call it."""
     root = Path(path)
+    world = trainer.world
     version = f"step-{trainer.steps_done:08d}"
     vdir = root / version
     vdir.mkdir(parents=True, exist_ok=True)
     shard = {
         "format": FORMAT,
-        "rank": trainer.rank,
-        "stage": trainer.stage,
-        "replica": trainer.replica,
+        "rank": world.rank,
+        "stage": world.stage,
+        "replica": world.replica,
         "steps_done": trainer.steps_done,
-        "seq": trainer._seq,
+        "seq": trainer.seq,
         "model": trainer.module.state_dict(),
         "optimizer": trainer.updater.state_dict() if trainer.updater is not None else None,
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    shard_file = vdir / f"rank{trainer.rank}.pt"
+    shard_file = vdir / f"rank{world.rank}.pt"
     _atomic_write(shard_file, lambda f: torch.save(shard, f))
-    _barrier(trainer)
-    if trainer.rank == 0:
+    _barrier(world)
+    if world.rank == 0:
         manifest = {
             "format": FORMAT,
             "steps_done": trainer.steps_done,
-            "stages": trainer.config.stages,
-            "data_parallel": trainer.config.data_parallel,
+            "stages": world.layout.stages,
+            "data_parallel": world.layout.data_parallel,
             "shards": {},
         }
-        for r in range(trainer.world_size):
+        for r in range(world.layout.world_size):
             f = vdir / f"rank{r}.pt"
             if not f.exists():
                 raise CheckpointError(f"rank {r} did not write its shard {f}")
@@ -87,20 +101,21 @@ def save(trainer: Trainer, path: str | os.PathLike, extra: dict[str, Any] | None
         _atomic_write(vdir / "manifest.json", lambda f: f.write(text))
         _atomic_write(root / "latest", lambda f: f.write(version.encode()))
         _prune(root, keep=version)
-    _barrier(trainer)
+    _barrier(world)
     return vdir
 
 
-def load(trainer: Trainer, path: str | os.PathLike) -> dict[str, Any]:
+def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
     """Restore this rank's stage, optimizer, RNG and step counters; returns the extra data."""
     vdir = latest_version(path)
     manifest = _read_manifest(vdir)
-    if manifest["stages"] != trainer.config.stages:
+    world = trainer.world
+    if manifest["stages"] != world.layout.stages:
         raise CheckpointError(
             f"{vdir} was saved with stages={manifest['stages']}, this trainer has "
-            f"stages={trainer.config.stages}"
+            f"stages={world.layout.stages}"
         )
-    rank = trainer.rank if str(trainer.rank) in manifest["shards"] else trainer.stage
+    rank = world.rank if str(world.rank) in manifest["shards"] else world.stage
     entry = manifest["shards"].get(str(rank))
     if entry is None:
         raise CheckpointError(f"{vdir}/manifest.json lists no shard for rank {rank}")
@@ -115,7 +130,7 @@ def load(trainer: Trainer, path: str | os.PathLike) -> dict[str, Any]:
             trainer.updater.load_state_dict(shard["optimizer"])
     _set_rng_state(shard["rng"])
     trainer.steps_done = shard["steps_done"]
-    trainer._seq = shard["seq"]
+    trainer.seq = shard["seq"]
     return shard["extra"]
 
 
@@ -174,20 +189,20 @@ def state_layout(model: Any, stage_modules: list[torch.nn.Module]) -> list[list[
     return layout
 
 
-def gather(trainer: Trainer, layout: list[list[tuple]]) -> dict[str, torch.Tensor] | None:
+def gather(trainer: Checkpointable, layout: list[list[tuple]]) -> dict[str, torch.Tensor] | None:
     """The whole model's state_dict on rank 0 (None elsewhere), sent tensor by tensor from
     replica 0's stages with torch.distributed point-to-point; nothing is pickled."""
-    mine = trainer.module.state_dict()
-    if trainer.replica != 0 and trainer.rank != 0:
+    mine, world = trainer.module.state_dict(), trainer.world
+    if world.replica != 0 and world.rank != 0:
         return None
-    if trainer.rank != 0:
-        for key, names, _, _ in layout[trainer.stage]:
+    if world.rank != 0:
+        for key, names, _, _ in layout[world.stage]:
             if names:
                 dist.send(mine[key].detach().cpu().contiguous(), dst=0)
         return None
     out: dict[str, torch.Tensor] = {}
     for stage, entries in enumerate(layout):
-        src = trainer.world.layout.rank_of(stage, 0)
+        src = world.layout.rank_of(stage, 0)
         for key, names, shape, dtype in entries:
             if not names:
                 continue  # a tied parameter, already taken from the stage that holds it first
@@ -201,7 +216,7 @@ def gather(trainer: Trainer, layout: list[list[tuple]]) -> dict[str, torch.Tenso
     return out
 
 
-def _check_model(trainer: Trainer, state: dict[str, torch.Tensor], where: Path) -> None:
+def _check_model(trainer: Checkpointable, state: dict[str, torch.Tensor], where: Path) -> None:
     """Raise naming every parameter that is missing, unexpected or of another shape."""
     mine = trainer.module.state_dict()
     problems = []
@@ -217,7 +232,7 @@ def _check_model(trainer: Trainer, state: dict[str, torch.Tensor], where: Path) 
             )
     if problems:
         raise CheckpointError(
-            f"{where} does not match stage {trainer.stage} of this model:\n  "
+            f"{where} does not match stage {trainer.world.stage} of this model:\n  "
             + "\n  ".join(problems[:20])
             + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         )
@@ -263,8 +278,8 @@ def _prune(root: Path, keep: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _barrier(trainer: Trainer) -> None:
-    if trainer.world_size > 1:
+def _barrier(world: World) -> None:
+    if world.layout.world_size > 1:
         dist.barrier()
 
 

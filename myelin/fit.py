@@ -11,21 +11,33 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from myelin.errors import ConfigError
+from myelin.profile.timeline import Timeline
 
-if TYPE_CHECKING:
-    from myelin.trainer import Trainer
-
-__all__ = ["fit", "evaluate", "Callback"]
-
-Callback = Callable[["Trainer", dict[str, Any]], None]
+__all__ = ["fit", "evaluate", "Callback", "Trainable"]
 
 
-def evaluate(trainer: Trainer, loader: Iterable, max_batches: int | None = None) -> float:
+class Trainable(Protocol):
+    """What the loops need of a trainer (`myelin.Trainer` is one)."""
+
+    timeline: Timeline
+
+    @property
+    def rank(self) -> int: ...
+
+    def step(self, inputs: Any = None, targets: Any = None) -> float: ...
+
+    def eval_step(self, inputs: Any = None, targets: Any = None) -> float: ...
+
+
+Callback = Callable[[Trainable, dict[str, Any]], None]
+
+
+def evaluate(trainer: Trainable, loader: Iterable, max_batches: int | None = None) -> float:
     """Mean loss over the loader's batches (or the first `max_batches`), no training."""
     losses = [trainer.eval_step(*_pair(b)) for b in itertools.islice(loader, max_batches)]
     if not losses:
@@ -34,7 +46,7 @@ def evaluate(trainer: Trainer, loader: Iterable, max_batches: int | None = None)
 
 
 def fit(
-    trainer: Trainer,
+    trainer: Trainable,
     loader: Iterable,
     *,
     steps: int | None = None,
@@ -90,7 +102,7 @@ def fit(
 class _Window:
     """Loss, tokens and compute time since the last logged step."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainable) -> None:
         self.trainer = trainer
         self._reset()
 
@@ -171,7 +183,7 @@ def _tokens(targets: Any) -> int:
     return 0
 
 
-def _progress_bar(trainer: Trainer, total: int | None, enabled: bool):
+def _progress_bar(trainer: Trainable, total: int | None, enabled: bool):
     if not enabled or trainer.rank != 0:
         return None
     from tqdm.auto import tqdm

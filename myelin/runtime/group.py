@@ -53,6 +53,10 @@ class Layout:
     def rank_of(self, stage: int, replica: int) -> int:
         return replica * self.stages + stage
 
+    def describe(self, rank: int) -> str:
+        """Where `rank` sits, for messages: "stage 1, replica 0"."""
+        return f"stage {self.stage_of(rank)}, replica {self.replica_of(rank)}"
+
     def replica_ranks(self, stage: int) -> list[int]:
         """The ranks holding `stage` in every replica (one data-parallel group)."""
         return [self.rank_of(stage, k) for k in range(self.data_parallel)]

@@ -1,0 +1,82 @@
+"""This rank's stage of the model: cut out, materialised, on its device, ties kept.
+
+    module, tied = place_stage(model, config, world)
+
+The stage is `config.stages`' contiguous run of layers for this rank (see partition.py).
+A model built under `init_empty` (the meta device) is materialised here, each layer from
+its own seed, so only this rank's layers are ever allocated. Parameters that several
+stages hold (GPT-2's tied embedding and head) get a process group per set of holders,
+whose gradients the loop sums every step, and start equal: the first holder's copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from myelin.config import PipelineConfig
+from myelin.errors import ConfigError, PartitionError
+from myelin.init import is_meta, materialize
+from myelin.partition import StageModule, cross_stage_ties, layers_of, stage_module
+from myelin.runtime.group import World, new_groups
+
+__all__ = ["Tied", "check_every_stage_trains", "place_stage", "stage_modules"]
+
+Tied = tuple[Any, list[nn.Parameter]]  # (process group, the parameters several stages hold)
+
+
+def stage_modules(model: Any, config: PipelineConfig) -> list[nn.Module]:
+    """Every stage's module, as cut from `model` (eager or meta), in stage order."""
+    return [stage_module(model, config.stages, s, config.partition) for s in range(config.stages)]
+
+
+def place_stage(model: Any, config: PipelineConfig, world: World) -> tuple[nn.Module, list[Tied]]:
+    """This rank's stage on its device, materialised if built under `init_empty`, with
+    the process groups that keep parameters shared across stages equal."""
+    cfg = config
+    module = stage_module(model, cfg.stages, world.stage, cfg.partition)
+    ties = cross_stage_ties(model, cfg.stages, cfg.partition) if cfg.stages > 1 else {}
+    names = {
+        stages: [n for n, p in module.named_parameters() if id(p) in ids]
+        for stages, ids in ties.items()
+        if world.stage in stages
+    }
+    groups = new_groups(world, list(ties))
+    materialized = is_meta(module)
+    if materialized:
+        if isinstance(module, StageModule):
+            materialize(module, model, list(module), module.first_layer)
+        else:
+            materialize(module, model, _layers_or_whole(model), 0)
+    module = module.to(world.device)
+    tied = []
+    for stages, group in groups.items():
+        params = [module.get_parameter(n) for n in names[stages]]
+        if materialized:  # each owner initialised its copy: take the first stage's
+            src = world.layout.rank_of(stages[0], world.replica)
+            for p in params:
+                dist.broadcast(p.data, src, group=group)
+        tied.append((group, params))
+    return module, tied
+
+
+def check_every_stage_trains(model: Any, cfg: PipelineConfig) -> None:
+    """fp16 skips a step whose gradients overflow by a vote of every rank, so every stage
+    needs parameters to vote with."""
+    for s in range(cfg.stages):
+        module = stage_module(model, cfg.stages, s, cfg.partition)
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ConfigError(
+                f"precision='fp16': stage {s} has no trainable parameters, but every stage "
+                f"votes on skipping steps whose gradients overflow; use another partition or "
+                f"precision='bf16'"
+            )
+
+
+def _layers_or_whole(model: Any) -> list[nn.Module]:
+    try:
+        return layers_of(model)
+    except PartitionError:
+        return [model]
