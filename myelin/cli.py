@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from myelin import train as train_job
 from myelin.launch import launch
 from myelin.profile import command as profile_command
-from myelin.runtime.transport import _is_address
+from myelin.runtime.transport_config import is_address
 
 __all__ = ["main", "launch"]
 
@@ -40,7 +40,7 @@ _port = _int_in(1, 65535, "a port")
 
 
 def _address(text: str) -> str:
-    if not _is_address(text):
+    if not is_address(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an IP address or a host name")
     return text
 

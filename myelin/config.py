@@ -7,7 +7,7 @@ from typing import Any
 
 from myelin.errors import ConfigError
 from myelin.runtime.schedule import SCHEDULES
-from myelin.runtime.transport import TransportConfig
+from myelin.runtime.transport_config import TransportConfig
 
 __all__ = ["PipelineConfig"]
 
