@@ -170,6 +170,8 @@ class Trainer:
         stage = Stage(
             self.module, world.stage, cfg.stages, world.device, loss_fn, memory.activations, dtype
         )
+        profiling = self._profile is not None
+        self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
         self.loop = EventLoop(
             stage,
             world,
@@ -177,14 +179,12 @@ class Trainer:
             make_policy(cfg.schedule, cfg.inflight),
             self.updater,
             LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
+            self.timeline,
             tied=tied,
             budget=self.budget,
+            flight=self.flight,
+            liveness=self.liveness,
         )
-        self.loop.flight = self.flight
-        self.loop.liveness = self.liveness
-        profiling = self._profile is not None
-        self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
-        self.loop.timeline = self.timeline
         if self._profile is not None:
             self.sampler = Sampler(world.device, self._profile.interval_s, self.timeline.origin)
             self.sampler.start()

@@ -27,10 +27,7 @@ __all__ = [
     "close_world",
     "new_groups",
     "sum_gradients",
-    "average_gradients",
 ]
-
-_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,54 +227,3 @@ def sum_gradients(params: list[torch.nn.Parameter], group: Any) -> None:
     for p in params:
         p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
         offset += p.numel()
-
-
-def average_gradients(
-    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int
-) -> float:
-    """Average gradients and the loss over `group`: asynchronous all-reduces in ~25 MiB
-    buckets, all in flight at once. A parameter no replica used keeps grad None."""
-    had_grad = [p.grad is not None for p in params]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    loss_t = torch.tensor([loss], dtype=torch.float64)
-    works = [(dist.all_reduce(loss_t, group=group, async_op=True), None, None)]
-    for bucket in _buckets([p.grad for p in params]):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
-    for work, flat, bucket in works:
-        work.wait()
-        if flat is None:
-            continue
-        flat.div_(replicas)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for p, had in zip(params, had_grad, strict=True):
-        if not had and not p.grad.any():
-            p.grad = None  # unused everywhere: leave it to the optimizer to skip
-    return float(loss_t.item()) / replicas
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype and device, about _BUCKET_BYTES each."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if (
-            not out
-            or size + nbytes > _BUCKET_BYTES
-            or (out[-1][0].dtype, out[-1][0].device)
-            != (
-                g.dtype,
-                g.device,
-            )
-        ):
-            out.append([])
-            size = 0
-        out[-1].append(g)
-        size += nbytes
-    return out

@@ -4,6 +4,7 @@ Actions use torch.distributed.pipelining's notation: `1F3` is stage 1's forward 
 microbatch 3, `1B3` its backward, `1SEND_F3` the send of that forward's output.
 The default policy is message-driven: whatever is ready runs, backward before
 forward, oldest microbatch first. GPipe and 1F1B are fixed orders, kept to compare.
+Evaluation is the forward-only policy: every forward as soon as its input is here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 from myelin.errors import ConfigError
 
-__all__ = ["Action", "SCHEDULES", "Ready", "Policy", "make_policy", "fixed_order"]
+__all__ = ["Action", "SCHEDULES", "Ready", "Policy", "ForwardOnly", "make_policy", "fixed_order"]
 
 SCHEDULES = ("message-driven", "gpipe", "1f1b")
 _KINDS = ("F", "B", "SEND_F", "SEND_B", "RECV_F", "RECV_B", "OPT", "ALLREDUCE")
@@ -53,6 +54,7 @@ class Ready:
     backwards_done: int = 0
     forwarded: set[int] = field(default_factory=set)  # microbatches whose forward ran here
     backwarded: set[int] = field(default_factory=set)
+    loss: float | None = None  # evaluation: the step's loss, once the last stage has told it
 
     def ran(self, kind: str, mb: int) -> None:
         """Count an operation that ran."""
@@ -80,12 +82,17 @@ class Policy:
     """Chooses the next action from what is ready, or None to wait for a message."""
 
     name = "message-driven"
+    trains = True  # forwards keep what backward needs; False: forward only (evaluation)
 
     def __init__(self, max_inflight: int) -> None:
         self.max_inflight = max_inflight
 
     def begin_step(self, ready: Ready) -> None:
         """Called once per step before any action of that step."""
+
+    def done(self, ready: Ready) -> bool:
+        """Whether this stage's share of the step is over: every backward has run."""
+        return ready.backwards_done >= ready.microbatches
 
     def pick(self, ready: Ready) -> Action | None:
         if ready.backward:
@@ -137,6 +144,35 @@ class FixedPolicy(Policy):
 
     def waiting_for(self, ready: Ready) -> Action | None:
         return self._order[self._pos] if self._pos < len(self._order) else None
+
+
+class ForwardOnly(Policy):
+    """Evaluation: every forward as soon as its input is here, oldest first; no backward.
+
+    The step is over on the last stage when every forward has run, elsewhere once the
+    last stage has also sent the step's loss (`ready.loss`).
+    """
+
+    name = "forward-only"
+    trains = False
+
+    def __init__(self) -> None:
+        super().__init__(max_inflight=0)  # nothing stays in flight, so nothing to bound
+
+    def pick(self, ready: Ready) -> Action | None:
+        return Action(ready.stage, "F", min(ready.forward)) if ready.forward else None
+
+    def done(self, ready: Ready) -> bool:
+        last = ready.stage == ready.num_stages - 1
+        return ready.forwards_done >= ready.microbatches and (last or ready.loss is not None)
+
+    def backward_next(self, ready: Ready, mb: int) -> bool:
+        return False
+
+    def waiting_for(self, ready: Ready) -> Action | None:
+        """The first forward whose input has not come; None once only the loss is missing."""
+        mb = ready.next_missing_forward()
+        return Action(ready.stage, "F", mb) if mb is not None else None
 
 
 def fixed_order(name: str, stage: int, num_stages: int, microbatches: int) -> list[Action]:

@@ -116,7 +116,7 @@ def test_forged_abort_does_not_stop_training(job):
 @pytest.mark.xfail(
     strict=True,
     reason=NO_AUTH
-    + "EventLoop._accept (loop.py) takes the first activation for (step, microbatch) from the "
+    + "Inbox._accept (inbox.py) takes the first activation for (step, microbatch) from the "
     "previous stage's rank: rank 1 trains step 0 on forged activations and drops rank 0's "
     "real ones as duplicates; its gradients for microbatches rank 0 has not run yet are "
     "dropped there, and the pipeline deadlocks until rank 0's DeadlineError (which comes "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import myelin
-import myelin.runtime.loop as loop_module
+import myelin.replicas.allreduce as allreduce_module
 
 VICTIM = 1
 DIE_AT_STEP = 3
@@ -59,13 +59,13 @@ def main():
     if args.mode == "backward":
         model[2].register_full_backward_hook(lambda *a: die("backward"))
     if args.mode == "allreduce":
-        reduce = loop_module.average_gradients
+        reduce = allreduce_module.average_gradients
 
         def dying_reduce(*a, **kw):
             die("allreduce")
             return reduce(*a, **kw)
 
-        loop_module.average_gradients = dying_reduce
+        allreduce_module.average_gradients = dying_reduce
 
     class Dying(torch.optim.SGD):
         def step(self, closure=None):

@@ -1,0 +1,89 @@
+"""The default replica strategy: average gradients and the loss over replicas every step.
+
+When a stage's backwards are done, its gradients and the step's loss go into
+asynchronous all-reduces over the stage's data-parallel group (gloo on CPU, NCCL on
+GPU), in ~25 MiB buckets of one dtype and device, all in flight at once; then each
+bucket is divided by the number of replicas and copied back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.replicas import Strategy
+
+__all__ = ["AllReduce", "average_gradients"]
+
+_BUCKET_BYTES = 25 * 2**20
+
+
+class AllReduce(Strategy):
+    """Gradients and loss averaged over `group`, the `replicas` ranks holding this stage."""
+
+    reduces_gradients = True
+
+    def __init__(self, group: Any, replicas: int) -> None:
+        self.group = group
+        self.replicas = replicas
+
+    def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
+        """Average the gradients of `params` and the loss over the replicas."""
+        return average_gradients(params, loss, self.group, self.replicas)
+
+    def eval_loss(self, loss: float) -> float:
+        """Average an evaluation loss over the replicas."""
+        return average_gradients([], loss, self.group, self.replicas)
+
+
+def average_gradients(
+    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int
+) -> float:
+    """Average gradients and the loss over `group`: asynchronous all-reduces in ~25 MiB
+    buckets, all in flight at once. A parameter no replica used keeps grad None."""
+    had_grad = [p.grad is not None for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    loss_t = torch.tensor([loss], dtype=torch.float64)
+    works = [(dist.all_reduce(loss_t, group=group, async_op=True), None, None)]
+    for bucket in _buckets([p.grad for p in params]):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+    for work, flat, bucket in works:
+        work.wait()
+        if flat is None:
+            continue
+        flat.div_(replicas)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    for p, had in zip(params, had_grad, strict=True):
+        if not had and not p.grad.any():
+            p.grad = None  # unused everywhere: leave it to the optimizer to skip
+    return float(loss_t.item()) / replicas
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, about _BUCKET_BYTES each."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if (
+            not out
+            or size + nbytes > _BUCKET_BYTES
+            or (out[-1][0].dtype, out[-1][0].device)
+            != (
+                g.dtype,
+                g.device,
+            )
+        ):
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
