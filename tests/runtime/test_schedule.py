@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from myelin import Action, ConfigError
-from myelin.runtime.schedule import Ready, fixed_order, make_policy
+from myelin.runtime.schedule import ForwardOnly, Ready, fixed_order, make_policy
 
 
 @pytest.mark.parametrize("text", ["1F3", "0B0", "12F105", "1SEND_F3", "2RECV_B0", "3OPT"])
@@ -76,3 +76,32 @@ def test_fixed_policy_waits_for_its_next_action():
 def test_unknown_schedule_is_rejected():
     with pytest.raises(ConfigError, match="schedule='zigzag' must be one of"):
         make_policy("zigzag", 1)
+
+
+def test_forward_only_runs_every_forward_oldest_first_and_waits_for_the_loss():
+    policy = ForwardOnly()
+    ready = Ready(0, 2, 3, forward={2, 0})
+    assert not policy.trains and policy.pick(ready) == Action(0, "F", 0)  # no window
+    for mb in (0, 2):
+        ready.forward.discard(mb)
+        ready.ran("F", mb)
+    assert policy.pick(ready) is None and policy.waiting_for(ready) == Action(0, "F", 1)
+    ready.ran("F", 1)
+    assert not policy.done(ready)  # stage 0 of 2: the last stage still owes the loss
+    assert policy.waiting_for(ready) is None
+    ready.loss = 1.5
+    assert policy.done(ready)
+    last = Ready(1, 2, 1)
+    last.ran("F", 0)
+    assert policy.done(last)  # the last stage computes the loss itself
+
+
+def test_training_policies_are_done_when_every_backward_ran():
+    for name in ("message-driven", "gpipe", "1f1b"):
+        policy, ready = make_policy(name, 1), Ready(1, 2, 2)
+        assert policy.trains and not policy.done(ready)
+        for kind, mb in (("F", 0), ("F", 1), ("B", 0)):
+            ready.ran(kind, mb)
+        assert not policy.done(ready)
+        ready.ran("B", 1)
+        assert policy.done(ready)
