@@ -1,5 +1,6 @@
 """myelin: message-driven pipeline training for PyTorch models too big or slow for one device."""
 
+from myelin.callbacks import Callback
 from myelin.errors import (
     ConfigError,
     DeadlineError,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "Callback",
     "ConfigError",
     "DeadlineError",
     "DeviceMemoryError",

@@ -1,30 +1,49 @@
-"""Training loops over data loaders: `Trainer.fit` and `Trainer.evaluate`.
+"""The training loop over data loaders: `Trainer.fit`, and `Trainer.evaluate`.
 
-Each rank iterates its own loader (the ranks of one replica must see the same
-batches, as with DDP). The progress bar runs on rank 0; metrics and callbacks
-see the same numbers on every rank.
+    history = trainer.fit(
+        train_loader, steps=2000, max_seconds=600,          # whichever runs out first
+        lr_schedule=lambda opt: WarmupCosine(opt, warmup_steps=20, floor=0.1),
+        eval_loader=val_loader, eval_every=50, eval_batches=8,
+        checkpoint_dir="run/checkpoint", checkpoint_every=100,
+        callbacks=[MyCallback()],
+    )
+
+Each rank iterates its own loader (the ranks of one replica must see the same batches,
+as with DDP) and calls `fit` with the same arguments. Every decision that ends or shapes
+the run is the same on every rank: the step count, the time budget (agreed by an
+all-reduce, so all ranks stop on the same step), when to validate, log and checkpoint.
+`myelin train` is this loop with a GPT, the stdlib's text and a run directory.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
+import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from myelin.callbacks import Callback, ProgressBar, as_callback
 from myelin.errors import ConfigError
+from myelin.metrics import Meter, all_reduce
 from myelin.profile.timeline import Timeline
+from myelin.runtime.group import World
 
-__all__ = ["fit", "evaluate", "Callback", "Trainable"]
+__all__ = ["Callback", "LRSchedule", "Trainable", "evaluate", "fit"]
+
+LRSchedule = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 class Trainable(Protocol):
-    """What the loops need of a trainer (`myelin.Trainer` is one)."""
+    """What the loop needs of a trainer (`myelin.Trainer` is one)."""
 
+    world: World
     timeline: Timeline
+    optimizer: torch.optim.Optimizer | None
+    steps_done: int
+    resumed_extra: dict[str, Any] | None
 
     @property
     def rank(self) -> int: ...
@@ -33,8 +52,7 @@ class Trainable(Protocol):
 
     def eval_step(self, inputs: Any = None, targets: Any = None) -> float: ...
 
-
-Callback = Callable[[Trainable, dict[str, Any]], None]
+    def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None: ...
 
 
 def evaluate(trainer: Trainable, loader: Iterable, max_batches: int | None = None) -> float:
@@ -51,86 +69,130 @@ def fit(
     *,
     steps: int | None = None,
     epochs: int | None = None,
+    max_seconds: float | None = None,
+    lr_schedule: LRSchedule | None = None,
     eval_loader: Iterable | None = None,
     eval_every: int | None = None,
     eval_batches: int | None = None,
     log_every: int = 10,
-    callbacks: Sequence[Callback] = (),
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    callbacks: Sequence[Callback | Callable[[Any, dict[str, Any]], None]] = (),
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Train for `steps` steps or `epochs` passes over `loader` (default: one epoch).
+    """Train for `steps` steps or `epochs` passes over `loader` (default: one epoch), or
+    until `max_seconds` pass; returns the metrics rows (see `myelin.metrics`).
 
-    Every `log_every` steps (and at the last) a metrics dict {step, loss, tokens_per_s,
-    idle_frac[, val_loss]} is appended to the returned history and passed to each
-    callback. With `eval_loader`, validation runs every `eval_every` steps and at the end.
+    max_seconds: stop after the step during which this much time has passed on any rank;
+        the ranks agree (an all-reduce of the time used each step), so all stop together.
+    lr_schedule: called with this stage's optimizer, returns a torch LR scheduler stepped
+        after every step. One with a `progress` attribute is told, before each step(),
+        the share of the run done: max(steps share, time share), so a run that time cuts
+        short still anneals. A trainer built with resume= continues the scheduler from
+        the checkpoint (its extra["scheduler"]).
+    eval_loader, eval_every, eval_batches: validate (mean `eval_step` loss over the first
+        `eval_batches` of `eval_loader`, iterated afresh each time: a fixed validation set
+        if it yields the same batches) every `eval_every` steps and at the end.
+    log_every: a metrics row every this many steps, at every validation and at the end;
+        each goes to the history and to every callback's on_log.
+    checkpoint_dir, checkpoint_every: `trainer.save` every this many steps and at the end,
+        with the scheduler's state as extra["scheduler"].
+    callbacks: `myelin.Callback`s, or functions f(trainer, metrics) called on each row.
+    progress: a progress bar on rank 0.
+    Steps are numbered as the trainer counts them (`steps_done`), so a resumed trainer
+    continues its numbering, and `*_every` are multiples of that number.
     """
-    _check_fit_args(steps, epochs, eval_every, log_every, eval_loader)
+    _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
+    _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
+    hooks = [as_callback(c) for c in callbacks]
+    if progress and trainer.rank == 0:
+        hooks.append(ProgressBar())
+    first = trainer.steps_done
     total = steps if steps is not None else _epoch_steps(loader, epochs or 1)
-    bar = _progress_bar(trainer, total, progress)
+    final = first + total if total is not None else None
+    scheduler = _scheduler(trainer, lr_schedule)
+    host_device = trainer.world.device.type != "cuda"
+    meter = Meter(trainer.timeline, host_device, trainer.world.layout.data_parallel)
     history: list[dict[str, Any]] = []
-    window = _Window(trainer)
-    done = 0
+    for hook in hooks:
+        hook.on_fit_start(trainer, first, final)
+    start = time.monotonic()
     try:
-        for batch in _batches(loader, steps, epochs or 1):
+        for done, batch in enumerate(_batches(loader, steps, epochs or 1), start=1):
             inputs, targets = _pair(batch)
+            t0 = time.perf_counter()
             loss = trainer.step(inputs, targets)
-            done += 1
-            window.add(loss, _tokens(targets if targets is not None else inputs))
-            last = done == total
-            metrics = None
-            if eval_loader is not None and (last or (eval_every and done % eval_every == 0)):
-                metrics = window.flush(done)
-                metrics["val_loss"] = evaluate(trainer, eval_loader, eval_batches)
-            elif done % log_every == 0 or last:
-                metrics = window.flush(done)
-            if metrics is not None:
-                history.append(metrics)
-                for callback in callbacks:
-                    callback(trainer, metrics)
-                if bar is not None:
-                    bar.set_postfix(_postfix(metrics, history), refresh=False)
-            if bar is not None:
-                bar.update(1)
+            tokens = _tokens(targets if targets is not None else inputs)
+            meter.add(loss, tokens, time.perf_counter() - t0)
+            step, lr = trainer.steps_done, _lr(trainer)
+            used = _time_used(start, max_seconds)
+            if scheduler is not None:
+                _advance(scheduler, max(step / final if final else 0.0, used))
+            last = done == total or used >= 1.0
+            val = None
+            if eval_loader is not None and (last or (eval_every and step % eval_every == 0)):
+                val = evaluate(trainer, eval_loader, eval_batches)
+            if last or val is not None or step % log_every == 0:
+                history.append(meter.row(step, lr, val))
+                for hook in hooks:
+                    hook.on_log(trainer, history[-1])
+            for hook in hooks:
+                hook.on_step_end(trainer, step, loss)
+            if checkpoint_dir is not None and (
+                last or (checkpoint_every and step % checkpoint_every == 0)
+            ):
+                _checkpoint(trainer, checkpoint_dir, scheduler, hooks)
             if last:
                 break
     finally:
-        if bar is not None:
-            bar.close()
+        for hook in hooks:
+            hook.on_fit_end(trainer, history)
     return history
 
 
-class _Window:
-    """Loss, tokens and compute time since the last logged step."""
-
-    def __init__(self, trainer: Trainable) -> None:
-        self.trainer = trainer
-        self._reset()
-
-    def _reset(self) -> None:
-        self.losses: list[float] = []
-        self.tokens = 0
-        self.start = time.perf_counter()
-        self.busy = self.trainer.timeline.busy_s
-
-    def add(self, loss: float, tokens: int) -> None:
-        self.losses.append(loss)
-        self.tokens += tokens
-
-    def flush(self, step: int) -> dict[str, Any]:
-        wall = max(time.perf_counter() - self.start, 1e-9)
-        busy = self.trainer.timeline.busy_s - self.busy
-        metrics = {
-            "step": step,
-            "loss": self.losses[-1],
-            "loss_avg": sum(self.losses) / len(self.losses),
-            "tokens_per_s": self.tokens / wall,
-            "idle_frac": max(0.0, 1.0 - busy / wall),
-        }
-        self._reset()
-        return metrics
+def _scheduler(trainer: Trainable, lr_schedule: LRSchedule | None) -> Any:
+    """The LR scheduler over this stage's optimizer (None: no schedule or nothing to train),
+    continued from the checkpoint the trainer resumed from."""
+    if lr_schedule is None or trainer.optimizer is None:
+        return None
+    scheduler = lr_schedule(trainer.optimizer)
+    resumed = trainer.resumed_extra or {}
+    if "scheduler" in resumed:
+        scheduler.load_state_dict(resumed["scheduler"])
+        # building the scheduler reset the optimizer's lr; put back the resumed one
+        groups = trainer.optimizer.param_groups
+        for group, lr in zip(groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+    return scheduler
 
 
-def _check_fit_args(steps, epochs, eval_every, log_every, eval_loader) -> None:
+def _advance(scheduler: Any, progress: float) -> None:
+    """Step the scheduler, telling it the share of the run done if it asks (`progress`)."""
+    if hasattr(scheduler, "progress"):
+        scheduler.progress = progress
+    scheduler.step()
+
+
+def _lr(trainer: Trainable) -> float | None:
+    """The learning rate the step just taken used (the first group's)."""
+    return trainer.optimizer.param_groups[0]["lr"] if trainer.optimizer is not None else None
+
+
+def _time_used(start: float, max_seconds: float | None) -> float:
+    """The share of the time budget used, the largest over all ranks (0 without one)."""
+    if max_seconds is None:
+        return 0.0
+    return all_reduce([(time.monotonic() - start) / max_seconds], op="max")[0]
+
+
+def _checkpoint(trainer: Trainable, path: Any, scheduler: Any, hooks: list[Callback]) -> None:
+    extra = {"scheduler": scheduler.state_dict()} if scheduler is not None else {}
+    trainer.save(path, extra=extra)
+    for hook in hooks:
+        hook.on_checkpoint(trainer, os.fspath(path), trainer.steps_done)
+
+
+def _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader) -> None:
     for name, value in (("steps", steps), ("epochs", epochs), ("eval_every", eval_every)):
         if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"fit: {name}={value!r} must be an int >= 1")
@@ -140,9 +202,32 @@ def _check_fit_args(steps, epochs, eval_every, log_every, eval_loader) -> None:
         raise ConfigError("fit: give steps or epochs, not both")
     if eval_every is not None and eval_loader is None:
         raise ConfigError("fit: eval_every needs an eval_loader")
+    if max_seconds is not None and (
+        isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+    ):
+        raise ConfigError(f"fit: max_seconds={max_seconds!r} must be a number of seconds")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ConfigError(f"fit: max_seconds={max_seconds!r} must be > 0")
 
 
-def _batches(loader: Iterable, steps: int | None, epochs: int):
+def _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule) -> None:
+    if checkpoint_dir is not None and (
+        not isinstance(checkpoint_dir, (str, os.PathLike)) or not checkpoint_dir
+    ):
+        raise ConfigError(f"fit: checkpoint_dir={checkpoint_dir!r} must be a directory path")
+    if checkpoint_every is not None:
+        if type(checkpoint_every) is not int or checkpoint_every < 1:
+            raise ConfigError(f"fit: checkpoint_every={checkpoint_every!r} must be an int >= 1")
+        if checkpoint_dir is None:
+            raise ConfigError("fit: checkpoint_every needs a checkpoint_dir")
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise ConfigError(
+            f"fit: lr_schedule={lr_schedule!r} must be a function of the optimizer that "
+            f"returns an LR scheduler"
+        )
+
+
+def _batches(loader: Iterable, steps: int | None, epochs: int) -> Iterator[Any]:
     if steps is None:
         for _ in range(epochs):
             yield from loader
@@ -181,21 +266,3 @@ def _tokens(targets: Any) -> int:
     if isinstance(targets, (tuple, list)):
         return sum(_tokens(t) for t in targets)
     return 0
-
-
-def _progress_bar(trainer: Trainable, total: int | None, enabled: bool):
-    if not enabled or trainer.rank != 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _postfix(metrics: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, str]:
-    val = next((h["val_loss"] for h in reversed(history) if "val_loss" in h), math.nan)
-    return {
-        "loss": f"{metrics['loss']:.4f}",
-        "val": f"{val:.4f}",
-        "tok/s": f"{metrics['tokens_per_s']:.0f}",
-        "idle": f"{100 * metrics['idle_frac']:.0f}%",
-    }

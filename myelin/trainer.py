@@ -310,14 +310,10 @@ class Trainer:
         self.seq += 1
         return loss
 
-    def fit(self, loader: Any, **kwargs: Any) -> list[dict[str, Any]]:
-        """Train over a loader of (inputs, targets) with a progress bar; see `myelin.fit.fit`
-        for steps, epochs, eval_loader, eval_every, log_every and callbacks."""
-        return fit_loop.fit(self, loader, **kwargs)
-
-    def evaluate(self, loader: Any, max_batches: int | None = None) -> float:
-        """Mean loss over a loader's batches, forward only."""
-        return fit_loop.evaluate(self, loader, max_batches)
+    # The loop over data loaders is fit.py's; these are its functions, so their signatures
+    # and documentation live in one place: trainer.fit(loader, steps=..., ...).
+    fit = fit_loop.fit
+    evaluate = fit_loop.evaluate
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict, under the original model's keys, on rank 0 (None on
@@ -338,7 +334,8 @@ class Trainer:
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore the newest complete checkpoint under `path`; returns this rank's extra."""
         self._check_usable()
-        return checkpoint.load(self, path)
+        self.resumed_extra = checkpoint.load(self, path)
+        return self.resumed_extra
 
     def profile_report(self) -> ProfileReport:
         """Where every rank's time went so far: busy, idle by cause, overlap, per rank.

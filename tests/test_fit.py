@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from myelin import ConfigError, Trainer
+from myelin import Callback, ConfigError, Trainer
 
 SGD = functools.partial(torch.optim.SGD, lr=0.5)
 
@@ -81,3 +81,124 @@ def test_bad_fit_arguments_are_named(kwargs, message):
 def test_a_loader_of_the_wrong_shape_is_named():
     with trainer() as t, pytest.raises(ConfigError, match="pairs, got tuple of length 3"):
         t.fit([(1, 2, 3)], progress=False)
+
+
+class Recorder(Callback):
+    """Every hook call, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_fit_start(self, trainer, first_step, last_step):
+        self.calls.append(("start", first_step, last_step))
+
+    def on_step_end(self, trainer, step, loss):
+        self.calls.append(("step", step))
+
+    def on_log(self, trainer, metrics):
+        self.calls.append(("log", metrics["step"]))
+
+    def on_checkpoint(self, trainer, path, step):
+        self.calls.append(("checkpoint", step))
+
+    def on_fit_end(self, trainer, history):
+        self.calls.append(("end", len(history)))
+
+
+def halving(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def test_fit_steps_the_lr_schedule_checkpoints_and_calls_every_hook(tmp_path):
+    loader = DataLoader(data(), batch_size=8)
+    rec = Recorder()
+    with trainer() as t:
+        history = t.fit(
+            loader,
+            steps=5,
+            lr_schedule=halving,
+            log_every=2,
+            checkpoint_dir=tmp_path / "ckpt",
+            checkpoint_every=2,
+            callbacks=[rec],
+            progress=False,
+        )
+        extra = t.load(tmp_path / "ckpt")
+    assert [h["lr"] for h in history] == [0.5 / 2, 0.5 / 8, 0.5 / 16]  # lr each step ran at
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000005"
+    assert extra["scheduler"]["last_epoch"] == 5
+    assert rec.calls == [
+        ("start", 0, 5),
+        ("step", 1),
+        ("log", 2),
+        ("step", 2),
+        ("checkpoint", 2),
+        ("step", 3),
+        ("log", 4),
+        ("step", 4),
+        ("checkpoint", 4),
+        ("log", 5),
+        ("step", 5),
+        ("checkpoint", 5),
+        ("end", 3),
+    ]
+
+
+def test_a_resumed_trainer_continues_the_schedule_and_the_step_numbers(tmp_path):
+    loader = DataLoader(data(), batch_size=8)
+    with trainer() as t:
+        t.fit(loader, steps=3, lr_schedule=halving, checkpoint_dir=tmp_path, progress=False)
+        whole = t.fit(loader, steps=2, progress=False)  # no schedule: lr stays where it was
+    torch.manual_seed(0)
+    resumed = Trainer(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        SGD,
+        F.cross_entropy,
+        microbatches=2,
+        resume=tmp_path,
+    )
+    with resumed:
+        again = resumed.fit(loader, steps=2, lr_schedule=halving, log_every=1, progress=False)
+    assert [h["step"] for h in again] == [4, 5] and resumed.steps_done == 5
+    assert again[0]["lr"] == whole[-1]["lr"] == 0.5 / 8  # where the first run left it
+    assert again[1]["lr"] == 0.5 / 16
+
+
+def test_a_time_budget_stops_training_and_tells_the_schedule_its_progress():
+    seen = []
+
+    class Progress(torch.optim.lr_scheduler.LambdaLR):
+        def __init__(self, opt):
+            self.progress = 0.0  # asks fit for the share of the run done
+            super().__init__(opt, lambda step: 1.0)
+
+        def step(self, epoch=None):
+            seen.append(self.progress)
+            super().step(epoch)
+
+    with trainer() as t:
+        history = t.fit(
+            DataLoader(data(), batch_size=8),
+            steps=100,
+            max_seconds=1e-6,  # used up by the first step
+            lr_schedule=Progress,
+            progress=False,
+        )
+        assert t.steps_done == 1 and [h["step"] for h in history] == [1]
+    assert seen[0] == 0.0 and seen[1] > 1.0  # built, then told: the time share, over 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_seconds": 0}, "max_seconds=0 must be > 0"),
+        ({"max_seconds": "1"}, "max_seconds='1' must be a number of seconds"),
+        ({"checkpoint_every": 2}, "checkpoint_every needs a checkpoint_dir"),
+        ({"checkpoint_dir": "c", "checkpoint_every": 0}, "checkpoint_every=0 must be an int"),
+        ({"lr_schedule": 0.1}, "lr_schedule=0.1 must be a function of the optimizer"),
+        ({"callbacks": [3]}, "callbacks: 3 is neither a myelin.Callback nor a function"),
+    ],
+)
+def test_bad_new_fit_arguments_are_named(kwargs, message):
+    with trainer() as t, pytest.raises(ConfigError, match=message):
+        t.fit([], progress=False, **kwargs)

@@ -1,0 +1,40 @@
+"""Learning-rate schedules that follow a run's progress, for `Trainer.fit(lr_schedule=...)`.
+
+    trainer.fit(loader, steps=2000, max_seconds=600,
+                lr_schedule=lambda opt: WarmupCosine(opt, warmup_steps=20, floor=0.1))
+
+A scheduler with a `progress` attribute is told by `fit`, before each `step()`, the
+share of the run done: the larger of the share of steps and the share of the time
+budget, so a run that time cuts short still anneals.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["WarmupCosine"]
+
+
+class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
+    """Linear warmup over `warmup_steps`, then cosine decay to `floor` x lr as progress 0 -> 1.
+
+    The loop sets `progress` before each `step()`: the larger of the share of steps done
+    and the share of the time budget used, so a run that time cuts short still anneals.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, floor: float) -> None:
+        self.warmup_steps = warmup_steps
+        self.floor = floor
+        self.progress = 0.0
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        """Each group's rate for the step `last_epoch` at `progress`."""
+        if self.last_epoch < self.warmup_steps:
+            factor = (self.last_epoch + 1) / self.warmup_steps
+        else:
+            cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, self.progress)))
+            factor = self.floor + (1 - self.floor) * cosine
+        return [base * factor for base in self.base_lrs]

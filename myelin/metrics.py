@@ -1,0 +1,88 @@
+"""The metrics rows of a training run, the same numbers on every rank.
+
+    meter = Meter(trainer.timeline, host_device=True, replicas=1)
+    meter.add(loss, tokens, seconds)          # after each trainer.step
+    row = meter.row(step, lr, val_loss)       # every rank at once: a collective
+
+A row covers the steps since the last one: `loss` (the last step's), `loss_avg`, `lr`,
+`tokens_per_s` (training tokens of every replica per second spent in `trainer.step`),
+`idle_frac` (the share of wall time that the devices of all ranks together were not
+computing forward, backward or the optimizer: bubbles, offload waits, collectives,
+evaluation's sends, host overhead) and `val_loss` when validation ran. With the
+timeline recording (profile=...), busy time comes from its spans, and on a CPU the
+loop's own sends are not counted as compute; otherwise from its compute counter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.profile.accounting import account
+from myelin.profile.timeline import Timeline
+
+__all__ = ["Meter", "all_reduce"]
+
+
+class Meter:
+    """Loss, throughput and idle share since the last row."""
+
+    def __init__(self, timeline: Timeline, host_device: bool, replicas: int) -> None:
+        self.timeline = timeline
+        self.host_device = host_device  # on the CPU, sends inside an operation are not compute
+        self.replicas = replicas  # every replica trains on as many tokens as this one
+        self._reset()
+
+    def _reset(self) -> None:
+        self.since = self.timeline.now()
+        self.first_span = len(self.timeline.spans) if self.timeline.enabled else 0
+        self.busy_since = self.timeline.busy_s
+        self.losses: list[float] = []
+        self.tokens = 0
+        self.step_seconds = 0.0
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        """Count one training step: its loss, this replica's tokens, and how long it took."""
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.step_seconds += seconds
+
+    def _busy_and_wall(self) -> tuple[float, float]:
+        """This rank's compute seconds and wall seconds since the last row."""
+        now = self.timeline.now()
+        if not self.timeline.enabled:
+            return self.timeline.busy_s - self.busy_since, max(now - self.since, 0.0)
+        spans = self.timeline.spans[self.first_span :]
+        use = account(spans, self.since, now, host_device=self.host_device)
+        return use["busy_frac"] * use["wall_s"], use["wall_s"]
+
+    def row(self, step: int, lr: float | None, val_loss: float | None) -> dict[str, Any]:
+        """The row for `step`, and a fresh window; every rank must call it (idle_frac is
+        summed over ranks)."""
+        n = len(self.losses)
+        busy, wall = all_reduce(list(self._busy_and_wall()))
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": self.losses[-1] if n else math.nan,
+            "loss_avg": sum(self.losses) / max(1, n),
+        }
+        if lr is not None:
+            row["lr"] = lr
+        row["tokens_per_s"] = self.tokens * self.replicas / max(self.step_seconds, 1e-9)
+        row["idle_frac"] = max(0.0, 1 - busy / wall) if wall > 0 else 0.0
+        if val_loss is not None:
+            row["val_loss"] = val_loss
+        self._reset()
+        return row
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Sum or max over every rank (a tiny gloo all-reduce, no pickling); as is when alone."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
