@@ -17,7 +17,6 @@ torch optimizer with per-parameter state treats exactly like one whole step.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch import nn
 from myelin.errors import ConfigError
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.pool import HostPool
+from myelin.offload.streaming import Streamer, is_paged, nbytes, to_pool
 from myelin.precision import LossScaler
 
 __all__ = ["Updater"]
@@ -80,12 +80,13 @@ class Updater:
         self._host_grads: list[torch.Tensor] = []
         self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
         self._armed = False
-        self._staging_peak = 0
         self._inv_scale = 1.0
         self._stepping: list[int] = []  # the bucket whose masters hold gradients now
         if mode == "host":
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
             self._install_stream_hooks()
+        if mode == "stream":
+            self._streamer = Streamer(self.optimizer, params, self.masters, pool, self._stream)
         if mode != "device":  # state some optimizers create eagerly (Adagrad's sum)
             self._adopt_state(list(range(len(self.masters))))
         self._account()
@@ -174,12 +175,7 @@ class Updater:
             for b in range(len(self._buckets)):
                 self._host_bucket(b)
         else:
-            staged = self._stage_in(self._buckets[0])
-            for b in range(len(self._buckets)):
-                following = b + 1 < len(self._buckets)
-                ahead = self._stage_in(self._buckets[b + 1]) if following else None
-                self._stream_bucket(b, staged, ahead)
-                staged = ahead
+            self._streamer.step(self._buckets, self._fp32_grads_for)
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return True
@@ -220,80 +216,6 @@ class Updater:
             for i in bucket:
                 self.params[i].copy_(self.masters[i], non_blocking=True)
 
-    def _stream_bucket(self, b: int, staged: dict[int, Any], ahead: dict[int, Any] | None) -> None:
-        """Step bucket `b` on the device with its masters and state staged in (`ahead`: the
-        next bucket's, already on its way), then copy them back out to the host pool."""
-        bucket = self._buckets[b]
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(staged["ready"])
-        homes = {}
-        for i in bucket:
-            m = self.masters[i]
-            state = self.optimizer.state.get(m, {})
-            homes[i] = (m.data, {k: v for k, v in state.items() if _paged(v)})
-            m.data = staged[i]["master"]
-            for key, t in staged[i]["state"].items():
-                state[key] = t
-        self._grads_for(
-            bucket,
-            lambda i: None if self.params[i].grad is None else self._fp32_grad(self.params[i]),
-        )
-        self.optimizer.step()
-        with torch.no_grad():
-            for i in bucket:
-                self.params[i].copy_(self.masters[i])
-        self._note_staging(staged, ahead)
-        side = self._stream
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side) if side is not None else _nothing(), torch.no_grad():
-            for i in bucket:
-                m = self.masters[i]
-                home, home_state = homes[i]
-                home.copy_(m.data, non_blocking=side is not None)
-                if side is not None:
-                    m.data.record_stream(side)
-                m.data = home
-                state = self.optimizer.state[m]
-                for key, t in list(state.items()):
-                    if not _paged(t) or self.pool.owns(t):
-                        continue
-                    if key in home_state:
-                        home_state[key].copy_(t, non_blocking=side is not None)
-                        if side is not None:
-                            t.record_stream(side)
-                        state[key] = home_state[key]
-                    else:  # created by this (first) step: its home is new
-                        state[key] = self._to_pool(t)
-
-    def _stage_in(self, bucket: list[int]) -> dict[Any, Any]:
-        """Copies of a bucket's masters and state on the device (on a GPU, on the side
-        stream; "ready" is the event that says they have arrived)."""
-        side = self._stream
-        staged: dict[Any, Any] = {}
-        with torch.cuda.stream(side) if side is not None else _nothing():
-            for i in bucket:
-                m = self.masters[i]
-                state = {
-                    k: _to_device(v, self.device)
-                    for k, v in self.optimizer.state.get(m, {}).items()
-                    if _paged(v)
-                }
-                staged[i] = {"master": _to_device(m.data, self.device), "state": state}
-            if side is not None:
-                staged["ready"] = torch.cuda.Event()
-                staged["ready"].record(side)
-        return staged
-
-    def _note_staging(self, staged: dict[Any, Any], ahead: dict[Any, Any] | None) -> None:
-        nbytes = sum(
-            _nbytes(s["master"]) + sum(_nbytes(t) for t in s["state"].values())
-            for group in (staged, ahead or {})
-            for k, s in group.items()
-            if k != "ready"
-        )
-        self._staging_peak = max(self._staging_peak, nbytes)
-
     def _grads_for(self, bucket: list[int], grad: Callable[[int], torch.Tensor | None]) -> None:
         """Give only `bucket`'s masters gradients (the step's previous bucket loses its own;
         every other master has none between steps)."""
@@ -303,7 +225,13 @@ class Updater:
             self.masters[i].grad = grad(i)
         self._stepping = bucket
 
-    def _fp32_grad(self, p: torch.Tensor) -> torch.Tensor:
+    def _fp32_grads_for(self, bucket: list[int]) -> None:
+        """The stream mode's gradients: the parameters' own, cast to fp32 (and unscaled)."""
+        params = self.params
+        self._grads_for(bucket, lambda i: None if params[i].grad is None else self._fp32_grad(i))
+
+    def _fp32_grad(self, i: int) -> torch.Tensor:
+        p = self.params[i]
         g = p.grad.float()
         return g.mul_(self._inv_scale) if self.scaler is not None else g
 
@@ -350,36 +278,30 @@ class Updater:
         for i in indices:
             state = self.optimizer.state.get(self.masters[i], {})
             for key, t in list(state.items()):
-                if _paged(t) and not self.pool.owns(t):
-                    state[key] = self._to_pool(t)
-
-    def _to_pool(self, t: torch.Tensor) -> torch.Tensor:
-        assert self.pool is not None
-        home = self.pool.empty(t.shape, t.dtype, what="optimizer state")
-        home.copy_(t)
-        return home
+                if is_paged(t) and not self.pool.owns(t):
+                    state[key] = to_pool(self.pool, t)
 
     def host_bytes(self) -> int:
         """Bytes of masters, gradients and state this updater keeps in the host pool."""
         if self.mode == "device":
             return 0
-        total = sum(_nbytes(m) for m in self.masters) + sum(_nbytes(g) for g in self._host_grads)
+        total = sum(nbytes(m) for m in self.masters) + sum(nbytes(g) for g in self._host_grads)
         for state in self.optimizer.state.values():
-            total += sum(_nbytes(t) for t in state.values() if _paged(t))
+            total += sum(nbytes(t) for t in state.values() if is_paged(t))
         return total
 
     def device_bytes(self) -> int:
         """Bytes of optimizer state (and masters) resident on the device between steps,
         or staged there during a streamed step."""
         if self.mode == "stream":
-            return self._staging_peak
+            return self._streamer.staging_peak
         if self.mode == "host":
             return 0
         total = 0
         if self.half:
-            total += sum(2 * _nbytes(m) for m in self.masters)  # masters and their fp32 grads
+            total += sum(2 * nbytes(m) for m in self.masters)  # masters and their fp32 grads
         for state in self.optimizer.state.values():
-            total += sum(_nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
+            total += sum(nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
         return total
 
     def _account(self) -> None:
@@ -439,25 +361,6 @@ class Updater:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 m.copy_(p)
-
-
-def _paged(t: Any) -> bool:
-    """Whether a state entry is per-parameter data (paged out), not a scalar like 'step'."""
-    return isinstance(t, torch.Tensor) and t.dim() > 0
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    out = torch.empty_like(t, device=device)
-    out.copy_(t, non_blocking=device.type == "cuda")
-    return out
-
-
-def _nothing() -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _buckets(masters: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
