@@ -270,7 +270,7 @@ class Transport:
     def _next_wake(self) -> float:
         """The earliest time poll must look up from waiting: a debt to pay or a slot wait."""
         wakes = [p.shm.wait_until for p in self._peers.values() if p.shm and p.shm.wait_until]
-        return min(wakes, default=self._ledger.next_wake())
+        return min([*wakes, self._ledger.next_wake()])
 
     def _drain(self) -> None:
         """Take what waits in the inbox: control messages act now, the rest wait for poll."""
