@@ -375,6 +375,8 @@ class Trainer:
         if self.transport is not None:
             self.transport.close()
         close_world(self.world)
+        if getattr(self, "budget", None) is not None:
+            self.budget.close()
 
     def __enter__(self) -> Trainer:
         return self

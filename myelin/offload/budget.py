@@ -77,6 +77,11 @@ class DeviceBudget:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self.peak_bytes
 
+    def close(self) -> None:
+        """Lift the memory-fraction cap set for `limit_bytes`: it outlives the trainer."""
+        if self.measured and self.limit_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.total
         self.peak_resident = dict(self.resident)
@@ -102,7 +107,11 @@ class DeviceBudget:
     def describe_oom(self, exc: BaseException, doing: str) -> DeviceMemoryError:
         """A DeviceMemoryError for a CUDA out-of-memory error, with the accounting."""
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in self.resident.items())
-        limit = human_bytes(self.limit_bytes) if self.limit_bytes else "the device's memory"
+        limit = (
+            f"device_memory_limit={human_bytes(self.limit_bytes)}"
+            if self.limit_bytes
+            else "the device's memory"
+        )
         hints = "; ".join(_HELP[c] for c in CATEGORIES if c not in self.offloading)
         return DeviceMemoryError(
             f"{self.where}: the device ran out of memory ({limit}) while {doing} "

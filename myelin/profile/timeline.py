@@ -66,6 +66,7 @@ class Timeline:
         self.stage = stage
         self.enabled = enabled
         self._ref = None  # a CUDA event recorded at the origin
+        self._device = torch.device(device) if device is not None else None
         self._pending: list[tuple[Any, Any, str, str, int, dict[str, Any]]] = []
         if device is not None and torch.device(device).type == "cuda":
             self._ref = torch.cuda.Event(enable_timing=True)
@@ -118,11 +119,12 @@ class Timeline:
                 yield
                 self.add(kind, name, start, self.now(), step, **fields)
             else:
+                stream = torch.cuda.current_stream(self._device)  # this rank's GPU, not cuda:0
                 begin = torch.cuda.Event(enable_timing=True)
-                begin.record()
+                begin.record(stream)
                 yield
                 end = torch.cuda.Event(enable_timing=True)
-                end.record()
+                end.record(torch.cuda.current_stream(self._device))
                 self._pending.append((begin, end, kind, name, step, fields))
                 if len(self._pending) > 64:
                     self._resolve(wait=False)  # keep the list short; never waits

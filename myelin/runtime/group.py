@@ -142,11 +142,23 @@ def pick_device(device: str | torch.device | None) -> torch.device:
                     if count
                     else f"device={device!r}: no CUDA here"
                 )
+        if chosen.type == "cuda" and chosen.index is None:
+            return _local_gpu()  # "cuda" alone: this rank's GPU, not every rank's cuda:0
         return chosen
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local % torch.cuda.device_count())
+        return _local_gpu()
     return torch.device("cpu")
+
+
+def _local_gpu() -> torch.device:
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
+def _gpu_shared() -> bool:
+    """Whether more ranks run on this host than it has GPUs: NCCL refuses two on one GPU."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return local_world > torch.cuda.device_count()
 
 
 def init_world(layout: Layout, device: torch.device, timeout_s: float) -> World:
@@ -156,11 +168,13 @@ def init_world(layout: Layout, device: torch.device, timeout_s: float) -> World:
         return World(rank=0, layout=layout, device=device)
     owns = False
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        nccl = device.type == "cuda" and not _gpu_shared()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # kernels, events and NCCL on this rank's GPU
         dist.init_process_group(
-            backend=backend,
+            backend="cpu:gloo,cuda:nccl" if nccl else "gloo",
             timeout=timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if nccl else None,
         )
         # The default group lives as long as the process: a second Trainer in the same
         # script reuses it (re-creating it on the same store would find stale keys).

@@ -183,7 +183,8 @@ def test_describe_oom_keeps_the_cause_and_hints():
     err = budget.describe_oom(RuntimeError("CUDA out of memory"), "the backward")
     text = str(err)
     assert isinstance(err, DeviceMemoryError)
-    assert "rank 0 (stage 0): the device ran out of memory (2 GiB) while the backward" in text
+    said = "rank 0 (stage 0): the device ran out of memory (device_memory_limit=2 GiB) while"
+    assert f"{said} the backward" in text
     assert "parameters 1 GiB" in text
     assert HINTS["activations"] in text
     assert HINTS["optimizer"] not in text
