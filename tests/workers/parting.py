@@ -1,0 +1,171 @@
+"""Ranks that part ways: one dies or leaves while the other is somewhere in particular.
+
+Run by tests/faults/test_parting.py as `myelin run -n 2 parting.py --out DIR MODE [--die HOW]`.
+
+Places (rank 1, the victim, dies after 3 steps, 1 s after rank 0 entered the place):
+  close       rank 0 is inside trainer.close(), gathering the profile
+  gather      rank 0 is inside trainer.profile_report()
+  checkpoint  rank 0 is inside trainer.save()
+  barrier     rank 0 is inside torch.distributed.barrier()
+  user        rank 0 is in its own code between steps (a sleep)
+HOW is `kill` (SIGKILL) or `raise` (an exception in the victim's own code after its last
+step, its trainer left to close at exit). The victim writes the time it died to
+victim.json.
+
+Uneven runs (rank 1 closes its trainer; it writes the time to victim.json):
+  uneven-steps  rank 0 calls trainer.step 3 times, rank 1 twice
+  uneven-eval   both train 2 steps; rank 0 calls eval_step twice, rank 1 once
+  uneven-fit    stages=1 x data_parallel=2: fit over loaders of 5 and 3 batches stops
+                both at 3 (uneven="shortest"); uneven="raise" raises before a step; then
+                generators (no len) of 5 and 3 batches: rank 0 is told rank 1 left.
+
+Each rank writes rank{r}.json: what it raised (type, message, .rank), when, and the
+counters of its trainer.
+"""
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import myelin
+
+PLACES = ["close", "gather", "checkpoint", "barrier", "user"]
+UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit"]
+VICTIM = 1
+
+
+def write(out, name, record):
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(record, f)
+
+
+def build(out, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    settings = dict(stages=2, microbatches=4, timeout=30, run_dir=out, profile=True)
+    settings.update(kw)
+    return myelin.Trainer(
+        model,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=F.cross_entropy,
+        **settings,
+    )
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def place(args, rank, record):
+    trainer = build(args.out)
+    for i in range(3):
+        trainer.step(*batch(i))
+    record["steps"] = trainer.steps_done
+    if rank == VICTIM:
+        time.sleep(1.0)  # rank 0 is in its place by now
+        write(args.out, "victim.json", {"time": time.time(), "how": args.die})
+        if args.die == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("the victim's own code failed after its last step")
+    if args.mode == "close":
+        trainer.close()
+    elif args.mode == "gather":
+        trainer.profile_report()
+    elif args.mode == "checkpoint":
+        trainer.save(os.path.join(args.out, "ckpt"))
+    elif args.mode == "barrier":
+        dist.barrier()
+    elif args.mode == "user":
+        time.sleep(30)
+    record["finished_place"] = True
+    time.sleep(30)  # rank 0 must not end by itself: the error has to come from the place
+
+
+def uneven_steps(args, rank, record):
+    with build(args.out, profile=False) as trainer:
+        steps = 3 if rank == 0 else 2
+        evals = 0
+        if args.mode == "uneven-eval":
+            steps, evals = 2, (2 if rank == 0 else 1)
+        for i in range(steps):
+            trainer.step(*batch(i))
+        for i in range(evals):
+            trainer.eval_step(*batch(100 + i))
+        record["steps"] = trainer.steps_done
+    if rank == VICTIM:
+        write(args.out, "victim.json", {"time": time.time(), "steps": steps, "evals": evals})
+
+
+def uneven_fit(args, rank, record):
+    trainer = build(args.out, stages=1, data_parallel=2, microbatches=2, profile=False)
+    lengths = {0: 5, 1: 3}
+    mine = [batch(10 * rank + i) for i in range(lengths[rank])]
+    history = trainer.fit(mine, log_every=1, progress=False)
+    record["shortest"] = {
+        "steps": [h["step"] for h in history],
+        "losses": [h["loss"] for h in history],
+    }
+    try:
+        trainer.fit(mine, log_every=1, progress=False, uneven="raise")
+        record["raise"] = {"error_type": None, "steps_done": trainer.steps_done}
+    except Exception as exc:
+        record["raise"] = {
+            "error_type": type(exc).__name__,
+            "error": str(exc),
+            "steps_done": trainer.steps_done,
+        }
+    stream = (batch(20 * rank + i) for i in range(lengths[rank]))  # no len(): found out late
+    before = trainer.steps_done
+    if rank == VICTIM:
+        with trainer:
+            trainer.fit(stream, log_every=1, progress=False)
+        write(
+            args.out,
+            "victim.json",
+            {"time": time.time(), "steps": trainer.steps_done, "before": before},
+        )
+        return
+    record["steps_before_stream"] = before
+    trainer.fit(stream, log_every=1, progress=False)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("mode", choices=PLACES + UNEVEN)
+    parser.add_argument("--die", choices=["kill", "raise"], default="kill")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    record = {"error_type": None, "error": None}
+    try:
+        if args.mode in PLACES:
+            place(args, rank, record)
+        elif args.mode == "uneven-fit":
+            uneven_fit(args, rank, record)
+        else:
+            uneven_steps(args, rank, record)
+    except BaseException as exc:
+        if rank == VICTIM and args.mode in PLACES:
+            raise  # the victim's own failure: it ends the victim's script
+        record.update(
+            error_type=type(exc).__name__,
+            error=str(exc),
+            lost=getattr(exc, "rank", None),
+            notes=getattr(exc, "__notes__", []),
+        )
+    record["time"] = time.time()
+    write(args.out, f"rank{rank}.json", record)
+    sys.exit(3 if record["error_type"] else 0)
+
+
+if __name__ == "__main__":
+    main()
