@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from myelin.atomic import write_atomic
 from myelin.errors import MyelinError
 from myelin.offload.optimizer import Updater
 from myelin.runtime.group import World
@@ -251,17 +252,7 @@ def _read_manifest(vdir: Path) -> dict[str, Any]:
 
 
 def _atomic_write(target: Path, write) -> None:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(target, write, durable=True)
 
 
 def _sha256(path: Path) -> str:

@@ -51,7 +51,7 @@ LAYERS = {
         "myelin.precision",
         "myelin.data",
     ],
-    "base": ["myelin.errors"],
+    "base": ["myelin.errors", "myelin.atomic"],
 }
 
 

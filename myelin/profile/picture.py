@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from myelin.atomic import write_atomic
 from myelin.errors import MyelinError
 from myelin.profile.accounting import BUSY_KINDS, COMM_KINDS, Interval
 from myelin.profile.records import RankProfiles
@@ -119,9 +120,7 @@ def plot_timeline(
     what = f"step {steps[0]}" if steps[0] == steps[-1] else f"steps {steps[0]}-{steps[-1]}"
     ax.set_title(f"{report.source} timeline, {what} (figures: steps {_span(summary)})")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    return out
+    return write_atomic(path, lambda f: fig.savefig(f, format="png"))
 
 
 def _row_labels(report: RankProfiles, summary: dict[str, Any]) -> list[str]:

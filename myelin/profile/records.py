@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from myelin.atomic import write_atomic
 from myelin.profile.timeline import Span
 
 __all__ = ["RANK_FORMAT", "SPAN_FIELDS", "RankProfiles", "collect", "spans_of", "write_json"]
@@ -57,11 +58,9 @@ def spans_of(record: dict[str, Any]) -> list[Span]:
 
 
 def write_json(path: Path, data: Any, indent: int | None = None) -> Path:
-    """Write `data` as JSON to `path` through a temporary file, so no reader sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent, separators=None if indent else (",", ":")))
-    tmp.replace(path)
-    return path
+    """Write `data` as JSON to `path`, whole, however many ranks write it at once."""
+    text = json.dumps(data, indent=indent, separators=None if indent else (",", ":"))
+    return write_atomic(path, text)
 
 
 class RankProfiles(Protocol):

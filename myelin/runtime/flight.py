@@ -14,6 +14,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from myelin.atomic import write_atomic
+
 __all__ = ["FlightRecorder", "default_dir"]
 
 
@@ -55,17 +57,13 @@ class FlightRecorder:
     def dump(self, directory: str | os.PathLike, error: BaseException | str | None) -> Path:
         """Write the record as JSON to directory/rank{r}.json; returns the path."""
         path = Path(directory) / f"rank{self.rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "rank": self.rank,
             "doing": self.doing,
             "error": None if error is None else f"{_name(error)}: {error}",
             "events": [{"time": t, "event": what} for t, what in self._lines()],
         }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)
-        return path
+        return write_atomic(path, json.dumps(record, indent=1))
 
 
 def _name(error: BaseException | str) -> str:
