@@ -270,8 +270,12 @@ def _prune(root: Path, keep: str) -> None:
 
 
 def _barrier(world: World) -> None:
+    """Every rank at one point of a save; a lost or departed peer ends it within seconds."""
     if world.layout.world_size > 1:
-        dist.barrier()
+        if world.waits is not None:
+            world.waits.barrier("a checkpoint save")
+        else:
+            dist.barrier()
 
 
 def _rng_state() -> dict[str, Any]:

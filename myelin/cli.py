@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from myelin import train as train_job
-from myelin.launch import launch
+from myelin.launch import GRACE_S, launch
 from myelin.profile import command as profile_command
 from myelin.runtime.transport_config import is_address
 
@@ -39,6 +39,17 @@ _positive = _int_in(1, 4096, "a process count")
 _port = _int_in(1, 65535, "a port")
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds in [0, 3600]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds in [0, 3600]")
+    return value
+
+
 def _address(text: str) -> str:
     if not is_address(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an IP address or a host name")
@@ -52,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
-        help="run a script in N local processes (torchrun underneath)",
+        help="run a script in N local processes, started as torchrun starts them",
         description="Start N local processes of SCRIPT with RANK, WORLD_SIZE, LOCAL_RANK, "
         "MASTER_ADDR and MASTER_PORT set, exactly as torchrun does. If one process fails, "
-        "the others are stopped and the exit status is non-zero.",
+        "the others are stopped (SIGTERM, then SIGKILL after --grace-period) and the exit "
+        "status is that rank's.",
     )
     run.add_argument("-n", "--nproc", type=_positive, required=True, help="processes to start")
     run.add_argument(
@@ -69,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_address,
         default="127.0.0.1",
         help="rendezvous address (default: loopback)",
+    )
+    run.add_argument(
+        "--grace-period",
+        type=_seconds,
+        default=GRACE_S,
+        help=f"seconds a rank gets between SIGTERM and SIGKILL when the job stops (default "
+        f"{GRACE_S:g})",
     )
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module (python -m)")
     run.add_argument("script", help="the Python script (or module, with -m) to run")
@@ -103,7 +122,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing:
             parser.error(missing)  # before any process starts
         return launch(
-            args.nproc, args.script, args.args, args.master_port, args.master_addr, args.module
+            args.nproc,
+            args.script,
+            args.args,
+            args.master_port,
+            args.master_addr,
+            args.module,
+            grace_s=args.grace_period,
         )
     if args.command == "train":
         return train_job.main(args)

@@ -10,6 +10,8 @@ __all__ = [
     "DeadlineError",
     "RemoteError",
     "PeerLostError",
+    "PeerLeftError",
+    "LauncherLostError",
     "DeviceMemoryError",
     "HostMemoryError",
 ]
@@ -57,6 +59,17 @@ class PeerLostError(MyelinError):
         super().__init__(message)
         self.rank = rank
         self.doing = doing
+
+
+class PeerLeftError(PeerLostError):
+    """A peer closed its trainer (or exited) while this rank still needed it: the ranks ran
+    different numbers of steps or evaluations. The message names both ranks and where each
+    was."""
+
+
+class LauncherLostError(MyelinError):
+    """The launcher that started this rank (`myelin run`, torchrun) is gone, so nothing
+    could stop the rank any more: it stops by itself."""
 
 
 class DeviceMemoryError(MyelinError, MemoryError):

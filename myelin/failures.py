@@ -4,7 +4,10 @@ A failed step becomes the error to raise: a lost peer (found by heartbeats) name
 `PeerLostError`, an exhausted device as `DeviceMemoryError`. The rank tells every other
 rank (an `abort` control message, so none waits for it until a timeout) and writes its
 flight record, whose last lines go into the error's notes. A launcher's SIGTERM, sent
-when another rank failed, is raised as its reason instead of killing the rank silently.
+when another rank failed, is raised as its reason instead of killing the rank silently;
+`myelin run`'s SIGINT (the user pressed Ctrl-C) ends the rank quietly: the launcher prints
+the one line. Either way the rank writes its flight record wherever the signal found it
+and tells the launcher where (runtime/launched.py).
 After a failure the pipeline is broken: every later call says so.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,8 +24,9 @@ import torch
 
 from myelin.errors import DeviceMemoryError, MyelinError, PeerLostError, RemoteError
 from myelin.offload.budget import DeviceBudget
+from myelin.runtime import launched
 from myelin.runtime.flight import FlightRecorder
-from myelin.runtime.liveness import Liveness
+from myelin.runtime.liveness import Liveness, fresh
 from myelin.runtime.transport import Transport
 
 __all__ = ["Failures"]
@@ -41,7 +46,18 @@ class Failures:
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
         self.budget: DeviceBudget | None = None
-        self._old_sigterm: Any = None
+        self._old: dict[int, Any] = {}  # signal -> the handler that was there before
+
+    def enter(self, where: str) -> None:
+        """The rank starts a step or evaluation (`where`, e.g. "training step 3")."""
+        if self.liveness is not None:
+            self.liveness.where = where
+
+    def leave(self, steps: int, evals: int) -> None:
+        """The step is over: `steps` trainer.step and `evals` eval_step calls done."""
+        if self.liveness is not None:
+            self.liveness.where = None
+            self.liveness.counts = (steps, evals)
 
     def check_usable(self) -> None:
         """Raise if an earlier step failed and left the pipeline broken."""
@@ -60,22 +76,32 @@ class Failures:
         lost = self.liveness.find_lost() if self.liveness is not None else None
         if lost is not None and not isinstance(exc, (PeerLostError, DeviceMemoryError)):
             self.liveness.acknowledged = True
-            error = PeerLostError(lost.rank, lost.doing, str(lost))
+            error = fresh(lost)
         self.failed = error
+        if self.liveness is not None:
+            self.liveness.failed = error
         if not isinstance(error, RemoteError):
             self.abort(error)
-        if isinstance(error, Exception):
+        launched.tell(f"failed {self.rank}")  # the launcher stops the others now
+        if isinstance(error, Exception) and not getattr(error, "_myelin_recorded", False):
             self.flight.note(f"failed in {doing}: {type(error).__name__}")
-            try:
-                path = self.flight.dump(self.flight_dir, error)
-                where = f"written to {path}"
-            except Exception as write_exc:  # never hide the real error behind this one
-                where = f"could not be written to {self.flight_dir}: {write_exc}"
-            error.add_note(
-                f"flight record of rank {self.rank}, last events:\n{self.flight.summary()}\n"
-                f"(whole record {where})"
-            )
+            self.record(error)
         return error
+
+    def record(self, error: BaseException) -> None:
+        """Write the flight record for `error`, tell the launcher where, and put the
+        record's last lines into the error's notes."""
+        try:
+            path = self.flight.dump(self.flight_dir, error)
+            where = f"written to {path}"
+            launched.tell(f"flight {self.rank} {path}")
+        except Exception as write_exc:  # never hide the real error behind this one
+            where = f"could not be written to {self.flight_dir}: {write_exc}"
+        error._myelin_recorded = True  # type: ignore[attr-defined]
+        error.add_note(
+            f"flight record of rank {self.rank}, last events:\n{self.flight.summary()}\n"
+            f"(whole record {where})"
+        )
 
     def abort(self, exc: BaseException) -> None:
         """Tell every other rank this one failed, so none waits for it until a timeout."""
@@ -94,23 +120,53 @@ class Failures:
 
     def catch_sigterm(self) -> None:
         """Launchers stop every rank with SIGTERM when one fails; raise the reason instead
-        of dying silently: PeerLostError when a peer is gone."""
+        of dying silently: PeerLostError when a peer is gone, LauncherLostError when the
+        launcher is. Under `myelin run`, SIGINT (Ctrl-C) ends the rank quietly."""
         if threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # the user's own handler stays
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if launched.under_myelin_run() and signal.getsignal(signal.SIGINT) in (
+            signal.default_int_handler,
+            signal.SIG_DFL,
+        ):
+            self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
 
-        def on_sigterm(signum: int, frame: Any) -> None:
-            lost = self.liveness.find_lost() if self.liveness is not None else None
-            if lost is not None:
-                self.liveness.acknowledged = True
-                raise PeerLostError(lost.rank, lost.doing, str(lost))
-            raise MyelinError(f"rank {self.rank} got SIGTERM while {self.flight.doing}")
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        lost = self.liveness.find_lost() if self.liveness is not None else None
+        if lost is not None:
+            self.liveness.acknowledged = True
+            error: BaseException = fresh(lost)
+        else:
+            self._stopped()
+            error = MyelinError(
+                f"rank {self.rank} was stopped by its launcher (SIGTERM) while {self.flight.doing}"
+            )
+        self.flight.note(f"signal {signal.Signals(signum).name}: {type(error).__name__}")
+        self.record(error)
+        raise error
 
-        self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self._stopped()
+        error = KeyboardInterrupt(f"rank {self.rank} interrupted while {self.flight.doing}")
+        self.flight.note("interrupted (SIGINT from myelin run)")
+        self.record(error)
+        previous = sys.excepthook
+
+        def quiet(kind: type, value: BaseException, tb: Any) -> None:
+            if not issubclass(kind, KeyboardInterrupt):  # myelin run prints the one line
+                previous(kind, value, tb)
+
+        sys.excepthook = quiet
+        raise error
+
+    def _stopped(self) -> None:
+        """This rank is being stopped: the peers it loses from now on are no news."""
+        if self.liveness is not None:
+            self.liveness.stopped = True
 
     def release_sigterm(self) -> None:
-        """Put back the SIGTERM handler that was there before `catch_sigterm`."""
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        """Put back the signal handlers that were there before `catch_sigterm`."""
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+        self._old.clear()

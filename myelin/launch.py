@@ -1,22 +1,54 @@
-"""Start N local processes of a script through torch's elastic launcher (torchrun).
+"""`myelin run`: N local processes, started as torchrun starts them and stopped together.
 
-    launch(2, "train.py", ["--lr", "1e-3"])      # what `myelin run -n 2 train.py --lr 1e-3` does
+    code = launch(2, "train.py", ["--lr", "1e-3"])     # the exit status for the shell
 
-Each process gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT exactly as
-torchrun sets them; if one fails the others are stopped, and the exit status is that of
-the rank that failed first.
+The launcher hosts the rendezvous store (as torchrun's agent does, so no port is picked
+and freed and raced for) and starts each rank in a process group of its own with
+torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT and the TORCHELASTIC_* variables that point ranks at that store. Then, every
+50 ms:
+1. a rank that exited non-zero, or said it raised an error (through the pipe, before its
+   slow exit), is the first failure: every other rank gets SIGTERM and, after `grace_s`,
+   SIGKILL (a frozen rank at once: it cannot hold the job), and the exit status is the
+   failed rank's;
+2. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher stops every rank the same way (with
+   SIGINT, which a rank ends on quietly) and prints one line: interrupted, which ranks
+   were stopped, where their flight records are; the exit status is 128 + the signal.
+Ranks say where they wrote flight records through a pipe (`MYELIN_LAUNCHER_FD`, see
+runtime/launched.py), and watch the launcher: if it dies they stop. Nothing is written
+to the temp folder.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
+from myelin.errors import ConfigError
+from myelin.runtime.launched import FD_ENV, PID_ENV
 
-__all__ = ["launch"]
+__all__ = ["launch", "GRACE_S"]
+
+GRACE_S = 5.0  # default seconds a stopped rank gets between SIGTERM and SIGKILL
+_POLL_S = 0.05
+_SPARE_S = 30.0  # the rank that failed first gets this long to exit by itself
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    code: int | None = None  # exit status once it ended (negative: killed by that signal)
+    stopped: bool = False  # it was still running when the launcher stopped the job
+    flight: list[str] = field(default_factory=list)  # flight records it reported
+    failed: bool = False  # it said it raised an error (and is on its way out)
 
 
 def launch(
@@ -26,31 +58,185 @@ def launch(
     master_port: int | None = None,
     master_addr: str = "127.0.0.1",
     module: bool = False,
+    grace_s: float = GRACE_S,
 ) -> int:
-    """Run `script` in `nproc` local processes through torch's elastic launcher; exit code."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    argv = ["--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
-    if master_port is None:
-        argv += ["--standalone"]
-    else:
-        argv += ["--master-addr", master_addr, "--master-port", str(master_port)]
-    if module:
-        argv += ["-m"]
-    argv += [script, *args]
+    """Run `script` (a module with `module=True`) in `nproc` local processes; exit status."""
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)):
+        raise ConfigError(f"grace_s={grace_s!r} must be a number of seconds")
+    if not 0 <= grace_s <= 3600:
+        raise ConfigError(f"grace_s={grace_s!r} must be in [0, 3600] seconds")
+    store = _host_store(master_addr, master_port)
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: caught.append(signum)) for s in _STOP_SIGNALS}
+    ranks: list[_Rank] = []
     try:
-        run(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        failures = exc.failures
-        # The first process to exit with an error is the cause; the others were stopped.
-        causes = [r for r, f in failures.items() if isinstance(f.exitcode, int) and f.exitcode > 0]
-        first = min(causes or failures, key=lambda r: (failures[r].timestamp, r))
-        code = failures[first].exitcode
-        codes = {r: f.exitcode for r, f in sorted(failures.items())}
-        print(
-            f"myelin run: rank {first} failed first (exit code {code}); exit codes by rank: "
-            f"{codes}; see its error above",
-            file=sys.stderr,
-        )
-        return code if isinstance(code, int) and 0 < code < 256 else 1
-    return 0
+        env = _environment(nproc, master_addr, store.port, writer)
+        cmd = [sys.executable, "-u", *(["-m"] if module else []), script, *args]
+        for rank in range(nproc):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+            proc = subprocess.Popen(cmd, env=rank_env, pass_fds=(writer,), process_group=0)
+            ranks.append(_Rank(rank, proc))
+        os.close(writer)
+        writer = -1
+        return _supervise(ranks, reader, caught, grace_s)
+    finally:
+        _stop(ranks, grace_s)  # only if something above went wrong: nobody is left running
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for fd in (reader, writer):
+            if fd >= 0:
+                os.close(fd)
+        del store
+
+
+def _host_store(addr: str, port: int | None):
+    """The rendezvous store every rank joins, served from this process."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(addr, port or 0, None, True, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        where = f"{addr}:{port}" if port else addr
+        raise ConfigError(f"myelin run: cannot serve the rendezvous at {where}: {exc}") from None
+
+
+def _environment(nproc: int, addr: str, port: int, writer: int) -> dict[str, str]:
+    """torchrun's environment for the ranks of one node, minus its error files."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.update(
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_NAME="default",
+        ROLE_WORLD_SIZE=str(nproc),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID=f"myelin-{uuid.uuid4().hex[:12]}",
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the store above; no rank hosts one
+    )
+    env[FD_ENV] = str(writer)
+    env[PID_ENV] = str(os.getpid())
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    return env
+
+
+def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: float) -> int:
+    """Wait for every rank; stop the rest at the first failure or at a signal."""
+    pending = b""
+    first: _Rank | None = None
+    while True:
+        pending = _read_reports(ranks, reader, pending)
+        for r in ranks:
+            if r.code is None:
+                r.code = r.proc.poll()
+            if first is None and (r.code or r.failed):
+                first = r  # failed: exited non-zero, or said it raised (it is exiting)
+        running = [r for r in ranks if r.code is None]
+        if caught or first is not None or not running:
+            break
+        time.sleep(_POLL_S)
+    _stop(ranks, grace_s, signal.SIGINT if caught else signal.SIGTERM, spare=first)
+    _read_reports(ranks, reader, pending)
+    if caught:
+        signum = caught[0]
+        print(f"myelin run: interrupted ({signal.Signals(signum).name}); {_stopped(ranks)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + signum
+    if first is None:
+        return 0
+    codes = {r.rank: r.code for r in ranks}
+    print(
+        f"myelin run: rank {first.rank} failed first (exit code {first.code}); exit codes by "
+        f"rank: {codes}; {_stopped(ranks)}; see its error above",
+        file=sys.stderr,
+        flush=True,
+    )
+    return first.code if first.code is not None and 0 < first.code < 256 else 1
+
+
+def _stop(
+    ranks: list[_Rank], grace_s: float, signum: int = signal.SIGTERM, spare: _Rank | None = None
+) -> None:
+    """Signal every rank still running (its whole process group; SIGINT after Ctrl-C, which
+    ranks end quietly on, else SIGTERM), and SIGKILL it after grace_s; a stopped (frozen)
+    rank at once, as it cannot act on a signal. `spare`, the rank that failed and is
+    exiting by itself, is left to exit for another _SPARE_S before it is killed too."""
+    running = [r for r in ranks if r.proc.poll() is None]
+    for r in running:
+        if r is spare:
+            continue
+        r.stopped = True
+        _signal_group(r.proc.pid, signal.SIGKILL if _frozen(r.proc.pid) else signum)
+    deadline = time.monotonic() + grace_s
+    while any(r.proc.poll() is None for r in running) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for r in running:
+        if r.proc.poll() is None and r is not spare:
+            _signal_group(r.proc.pid, signal.SIGKILL)
+    if spare is not None and spare in running:
+        try:
+            spare.proc.wait(timeout=_SPARE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(spare.proc.pid, signal.SIGKILL)
+    for r in running:
+        r.code = r.proc.wait()
+
+
+def _frozen(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger): it can act on no signal."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read_reports(ranks: list[_Rank], reader: int, pending: bytes) -> bytes:
+    """Take the lines ranks wrote to the pipe: `flight RANK PATH`, `failed RANK`."""
+    while True:
+        try:
+            chunk = os.read(reader, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        pending += chunk
+    *lines, pending = pending.split(b"\n")
+    for line in lines:
+        kind, _, rest = line.decode(errors="replace").partition(" ")
+        rank, _, path = rest.partition(" ")
+        if kind == "failed" and rank.isdigit() and int(rank) < len(ranks):
+            ranks[int(rank)].failed = True
+        if kind == "flight" and rank.isdigit() and int(rank) < len(ranks) and path:
+            if path not in ranks[int(rank)].flight:
+                ranks[int(rank)].flight.append(path)
+    return pending
+
+
+def _stopped(ranks: list[_Rank]) -> str:
+    """'stopped ranks 0, 1; flight records: ...' for the launcher's one line."""
+    stopped = [str(r.rank) for r in ranks if r.stopped]
+    what = (
+        f"stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)}"
+        if stopped
+        else ("no rank needed stopping")
+    )
+    flights = [p for r in ranks for p in r.flight]
+    return (
+        f"{what}; flight records: {', '.join(flights)}"
+        if flights
+        else (f"{what}; no flight record was written")
+    )

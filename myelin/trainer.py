@@ -37,6 +37,7 @@ from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
+from myelin.runtime.bounded import Waits
 from myelin.runtime.flight import default_dir
 from myelin.runtime.group import (
     Layout,
@@ -221,6 +222,8 @@ class Trainer:
             flight_dir=lambda: self.flight_dir,
         )
         self._failures.liveness = self.liveness
+        me = f"rank {world.rank} ({world.layout.describe(world.rank)})"
+        world.waits = Waits(self.liveness, me, cfg.timeout)
         self._failures.catch_sigterm()
 
     @property
@@ -277,6 +280,7 @@ class Trainer:
         m = self.config.microbatches
         mb_inputs = split_batch(inputs, m, "inputs")
         mb_targets = split_batch(targets, m, "targets")
+        self._failures.enter(f"training step {self.steps_done + 1}")
         try:
             loss = self.loop.run_step(self.seq, mb_inputs, mb_targets)
         except BaseException as exc:
@@ -286,6 +290,7 @@ class Trainer:
             raise error from exc
         self.seq += 1
         self.steps_done += 1
+        self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
 
     def eval_step(self, inputs: Any = None, targets: Any = None) -> float:
@@ -298,6 +303,7 @@ class Trainer:
         mb_inputs = split_batch(inputs, m, "inputs")
         mb_targets = split_batch(targets, m, "targets")
         self.module.eval()
+        self._failures.enter(f"evaluation step {self.seq - self.steps_done + 1}")
         try:
             loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets)
         except BaseException as exc:
@@ -308,6 +314,7 @@ class Trainer:
         finally:
             self.module.train()
         self.seq += 1
+        self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
 
     # The loop over data loaders is fit.py's; these are its functions, so their signatures
@@ -364,19 +371,23 @@ class Trainer:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if self._profile is not None and hasattr(self, "timeline"):
-            failed = self._failures.failed is not None
-            self._report = finish_profile(
-                self.timeline, self.world, self.sampler, self._profile, failed=failed
-            )
-        self._failures.release_sigterm()
-        if self.liveness is not None:
-            self.liveness.close()
-        if self.transport is not None:
-            self.transport.close()
-        close_world(self.world)
-        if getattr(self, "budget", None) is not None:
-            self.budget.close()
+        try:
+            if self._profile is not None and hasattr(self, "timeline"):
+                failed = self._failures.failed is not None
+                self._report = finish_profile(
+                    self.timeline, self.world, self.sampler, self._profile, failed=failed
+                )
+        except BaseException as exc:  # a peer lost in the gather: this rank's error too
+            raise self._failures.fail(exc, "close()") from None
+        finally:
+            self._failures.release_sigterm()
+            if self.liveness is not None:
+                self.liveness.close()
+            if self.transport is not None:
+                self.transport.close()
+            close_world(self.world)
+            if getattr(self, "budget", None) is not None:
+                self.budget.close()
 
     def __enter__(self) -> Trainer:
         return self

@@ -84,14 +84,25 @@ def launch(
     return Job(proc.returncode, output, results)
 
 
+def _zombie(pid: int) -> bool:
+    """Whether `pid` has exited and waits to be reaped (an orphan's parent is init, which
+    reaps in its own time): it runs nothing and holds nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
 def _reap_session(sid: int) -> None:
-    """Kill anything still alive in the job's session; fail if something was."""
+    """Kill anything still alive in the job's session (exited ones waiting to be reaped
+    aside); fail if something was."""
     alive = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getsid(int(entry.name)) == sid:
+            if os.getsid(int(entry.name)) == sid and not _zombie(int(entry.name)):
                 alive.append(int(entry.name))
         except (ProcessLookupError, PermissionError):
             continue

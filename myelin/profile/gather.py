@@ -1,8 +1,8 @@
 """Every rank's profile records on every rank, through the torch.distributed store.
 
 Records travel as compressed JSON under per-call keys (never pickled); a rank that sends
-nothing within the timeout is named as missing rather than waited for, so a dead peer
-costs a timeout, never a hang.
+nothing within the timeout is named as missing rather than waited for; one that is lost
+or closed its trainer ends the gather within seconds with its name (world.waits).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import logging
 import zlib
 from datetime import timedelta
 from typing import Any
+
+from myelin.errors import DeadlineError
 
 __all__ = ["gather"]
 
@@ -35,8 +37,11 @@ def gather(
     store.set(f"{prefix}/{world.rank}", zlib.compress(json.dumps(record).encode(), 1))
     keys = [f"{prefix}/{r}" for r in range(size)]
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except RuntimeError:  # DistStoreError on timeout: take what came
+        if world.waits is not None:  # a lost or departed peer raises here, within seconds
+            world.waits.keys(store, keys, "the profile gather", timeout_s)
+        else:
+            store.wait(keys, timedelta(seconds=timeout_s))
+    except (RuntimeError, DeadlineError):  # DistStoreError on timeout: take what came
         pass
     records, missing = [], []
     for r, key in enumerate(keys):

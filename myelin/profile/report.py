@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from myelin.errors import ConfigError, MyelinError
+from myelin.errors import ConfigError, MyelinError, PeerLostError
 from myelin.profile.accounting import CAUSES, account, merge_intervals
 from myelin.profile.config import ProfileConfig
 from myelin.profile.gather import gather
@@ -177,7 +177,8 @@ def finish_profile(
     """At close: stop sampling, gather, and on rank 0 print and save the report.
 
     After a failure (`failed`) peers may be gone, so each rank saves only its own
-    records. Never raises: a profile must not turn a clean close into an error.
+    records. Raises only PeerLostError (a peer lost or gone during the gather): anything
+    else about a profile must not turn a clean close into an error.
     """
     config = config or ProfileConfig()
     try:
@@ -199,6 +200,8 @@ def finish_profile(
                 report.save(config.out_dir)
                 log.info("profile written to %s", config.out_dir)
         return report
+    except PeerLostError:  # a lost peer is the rank's error, raised wherever it is
+        raise
     except Exception as exc:
         log.warning("rank %d: could not finish the profile: %s", world.rank, exc, exc_info=True)
         return None

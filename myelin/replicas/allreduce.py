@@ -25,24 +25,26 @@ class AllReduce(Strategy):
 
     reduces_gradients = True
 
-    def __init__(self, group: Any, replicas: int) -> None:
+    def __init__(self, group: Any, replicas: int, wait: Any = None) -> None:
         self.group = group
         self.replicas = replicas
+        self.wait = wait  # waits for a Work, a slice at a time (runtime/bounded.py)
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and the loss over the replicas."""
-        return average_gradients(params, loss, self.group, self.replicas)
+        return average_gradients(params, loss, self.group, self.replicas, self.wait)
 
     def eval_loss(self, loss: float) -> float:
         """Average an evaluation loss over the replicas."""
-        return average_gradients([], loss, self.group, self.replicas)
+        return average_gradients([], loss, self.group, self.replicas, self.wait)
 
 
 def average_gradients(
-    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int
+    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int, wait: Any = None
 ) -> float:
     """Average gradients and the loss over `group`: asynchronous all-reduces in ~25 MiB
-    buckets, all in flight at once. A parameter no replica used keeps grad None."""
+    buckets, all in flight at once. A parameter no replica used keeps grad None. `wait`
+    waits for each (default: Work.wait, which a departed peer can hang)."""
     had_grad = [p.grad is not None for p in params]
     for p in params:
         if p.grad is None:
@@ -53,7 +55,10 @@ def average_gradients(
         flat = torch.cat([g.reshape(-1) for g in bucket])
         works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
     for work, flat, bucket in works:
-        work.wait()
+        if wait is None:
+            work.wait()
+        else:
+            wait(work)
         if flat is None:
             continue
         flat.div_(replicas)

@@ -71,6 +71,7 @@ class World:
     same_host: bool = True
     owns_process_group: bool = False
     extra_groups: list[Any] = field(default_factory=list)
+    waits: Any = None  # bounded, liveness-aware waits (runtime/bounded.py), once connected
 
     @property
     def stage(self) -> int:
@@ -232,11 +233,20 @@ def _destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
-def sum_gradients(params: list[torch.nn.Parameter], group: Any) -> None:
+def _all_reduce(t: torch.Tensor, group: Any, waits: Any, op: Any = None) -> None:
+    """An all-reduce that a lost or departed peer cannot hang (with `waits`)."""
+    op = dist.ReduceOp.SUM if op is None else op
+    if waits is None:
+        dist.all_reduce(t, op=op, group=group)
+    else:
+        waits.work(dist.all_reduce(t, op=op, group=group, async_op=True), strict=False)
+
+
+def sum_gradients(params: list[torch.nn.Parameter], group: Any, waits: Any = None) -> None:
     """All-reduce (sum) the gradients of `params` over `group`, a missing one as zeros."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    _all_reduce(flat, group, waits)
     offset = 0
     for p in params:
         p.grad = flat[offset : offset + p.numel()].view_as(p).clone()

@@ -3,11 +3,14 @@
 A thread of its own (so a rank busy in user code between steps still beats) sends a
 small msgpack heartbeat to every other rank every `heartbeat_s`, carrying what the rank
 is doing, and takes theirs. A peer is lost when its process is gone (checked directly
-for ranks on this host) or nothing came from it for `peer_timeout_s`. The loop calls
-`check()` in every wait and raises `PeerLostError`; if the main thread is elsewhere,
-the thread signals it (SIGTERM, which the trainer turns into the same error), and if
-it still has not ended after `exit_after_loss_s` the process exits with status 1, so
-no rank hangs in a collective that will never finish.
+for ranks on this host), nothing came from it for `peer_timeout_s`, or it said goodbye
+after failing; a peer that closed its trainer on purpose has *left*, which is an error
+(`PeerLeftError`) only for a rank that still needs it (`left`). The rank's launcher is
+watched too: once it is gone (the rank's parent changed) the rank stops by itself
+(`LauncherLostError`). The loop calls `check()` in every wait and raises the loss; if
+the main thread is elsewhere, the thread signals it (SIGTERM, which the trainer turns
+into the same error), and if it still has not ended after `exit_after_loss_s` the
+process exits with status 1, so no rank hangs in a collective that will never finish.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from typing import Any
 import msgpack
 import zmq
 
-from myelin.errors import PeerLostError
+from myelin.errors import LauncherLostError, MyelinError, PeerLeftError, PeerLostError
 from myelin.runtime.flight import FlightRecorder
+from myelin.runtime.launched import launcher_pid
 
 __all__ = ["Liveness", "host_id", "pid_alive"]
 
 log = logging.getLogger(__name__)
 
 _MAX_BEAT_BYTES = 1024  # a heartbeat is a rank and a line of text; anything bigger is junk
+_LOOK_S = 0.5  # how often peers' processes and the launcher are looked at, at most
 _NEWS_S = 0.01  # how soon a change of what this rank does goes out, at most
 
 
@@ -74,7 +79,8 @@ class _Peer:
     last: float  # monotonic time of its last heartbeat (or of our start)
     seen: bool = False
     doing: str = "starting"
-    left: bool = False  # closed its trainer on purpose
+    left: bool = False  # closed its trainer (or exited) and said goodbye
+    counts: tuple[int, int] = (0, 0)  # its trainer.step and eval_step calls, when it left
 
 
 class Liveness:
@@ -104,8 +110,13 @@ class Liveness:
         self.exit_after_loss_s = exit_after_loss_s
         self.connect_timeout_s = connect_timeout_s
         self.flight_dir = flight_dir  # a callable giving the directory, read at the end
-        self.lost: PeerLostError | None = None
+        self.lost: MyelinError | None = None  # a PeerLostError, or a LauncherLostError
         self.acknowledged = False  # the main thread has raised the loss
+        self.failed: BaseException | None = None  # this rank's own failure, told at goodbye
+        self.stopped = False  # this rank was stopped by its launcher: losses are expected
+        self.counts = (0, 0)  # this rank's trainer.step and eval_step calls done so far
+        self.where: str | None = None  # the step or evaluation the rank is in, if any
+        self.launcher = launcher_pid()
         self._transport = transport
         self._ctx = transport.context
         self._stop = threading.Event()
@@ -151,16 +162,50 @@ class Liveness:
 
     # -- the main thread's side -----------------------------------------------------------
 
-    def check(self) -> None:
-        """Raise PeerLostError if a peer was lost (called by the loop in every wait)."""
+    def check(self, where: str | None = None, strict: bool = False) -> None:
+        """Raise if a peer was lost (called by the loop in every wait), or if a peer left
+        that this rank, in `where` (default: the step it is in, `self.where`), still needs:
+        one that ran fewer steps and evaluations, or with `strict` (a collective outside
+        the steps) any that left."""
         if self.lost is not None:
             self.acknowledged = True
-            raise self.lost
+            raise fresh(self.lost)
+        where = where or self.where
+        if where is not None and self.anyone_left:
+            left = self.left(where, strict)
+            if left is not None:
+                raise left
 
-    def find_lost(self) -> PeerLostError | None:
-        """A loss seen by the thread, or one found now by looking at local processes."""
-        if self.lost is None:
+    @property
+    def anyone_left(self) -> bool:
+        return any(p.left for p in self._peers.values())
+
+    def left(self, where: str, strict: bool = False) -> PeerLeftError | None:
+        """The error for a peer that left before reaching this rank's step and evaluation
+        counts (or, `strict`, at all), so it cannot take part in what this rank waits for."""
+        me = f"rank {self.rank} ({self.stage_of(self.rank)})"
+        for peer in self._peers.values():
+            if peer.left and (strict or sum(peer.counts) <= sum(self.counts)):
+                steps, evals = peer.counts
+                return PeerLeftError(
+                    peer.rank,
+                    peer.doing,
+                    f"{me} is in {where}, but rank {peer.rank} ({self.stage_of(peer.rank)}) "
+                    f"closed its trainer after {steps} trainer.step and {evals} eval_step "
+                    f"calls: every rank must run the same steps and evaluations (give every "
+                    f"rank data of one length, or use Trainer.fit, which stops at the shortest)",
+                )
+        return None
+
+    def find_lost(self, settle_s: float = 0.0) -> MyelinError | None:
+        """A loss seen by the thread, or one found now by looking at local processes;
+        waits up to `settle_s` for one to show (a collective broke: a peer may be dying)."""
+        deadline = time.monotonic() + settle_s
+        while self.lost is None:
             self._look(time.monotonic(), beats=False)
+            if self.lost is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         return self.lost
 
     def close(self) -> None:
@@ -171,7 +216,13 @@ class Liveness:
         atexit.unregister(self.close)
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
-        bye = msgpack.packb({"rank": self.rank, "doing": "closed its trainer", "bye": True})
+        failed = self.failed if self.failed is not None else getattr(sys, "last_value", None)
+        beat: dict[str, Any] = {"rank": self.rank, "doing": "closed its trainer", "bye": True}
+        beat["counts"] = list(self.counts)
+        if failed is not None:
+            beat["failed"] = f"{type(failed).__name__}: {failed}"[:300]
+            beat["stopped"] = self.stopped
+        bye = msgpack.packb(beat)
         for peer in self._peers.values():
             try:
                 peer.sock.send(bye, flags=zmq.NOBLOCK)
@@ -185,22 +236,22 @@ class Liveness:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
-        next_beat, told = 0.0, None
+        next_beat, next_look, told = 0.0, 0.0, None
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 # Beat on time, and also soon after the rank starts something new, so
                 # peers know what it was doing if it dies.
-                on_time = now >= next_beat
-                if on_time or self.flight.doing is not told:
+                if now >= next_beat or self.flight.doing is not told:
                     told = self.flight.doing
                     self._beat(told)
                     next_beat = now + self.heartbeat_s
                 wait_ms = min(_NEWS_S, next_beat - now) * 1000
                 if dict(poller.poll(timeout=max(1, int(wait_ms)))):
                     self._take()
-                if on_time:  # look at peers' processes once a beat, not every 10 ms
+                if time.monotonic() >= next_look:  # peers' processes once a beat, not 10 ms
                     self._look(time.monotonic(), beats=True)
+                    next_look = time.monotonic() + min(self.heartbeat_s, _LOOK_S)
                 if self.lost is not None:
                     self._escalate()
                     return
@@ -233,9 +284,23 @@ class Liveness:
             peer.last = time.monotonic()
             peer.seen = True
             peer.doing = beat["doing"]
-            peer.left = peer.left or beat.get("bye") is True
+            if beat.get("bye") is True:
+                peer.left = True
+                peer.counts = _counts(beat.get("counts"))
+                failed = beat.get("failed")
+                if isinstance(failed, str) and self.lost is None:
+                    quiet = beat.get("stopped") is True or self.stopped
+                    self._lose(peer, f"it ended with an error: {failed}", quiet=quiet)
 
     def _look(self, now: float, beats: bool) -> None:
+        if self.launcher is not None and self.lost is None and os.getppid() != self.launcher:
+            self.lost = LauncherLostError(
+                f"rank {self.rank} lost its launcher (pid {self.launcher}, myelin run or "
+                f"torchrun): it was killed, so nothing could stop this rank; stopping"
+            )
+            self.flight.note("lost its launcher (pid %d)", self.launcher)
+            log.error("%s", self.lost)
+            return
         for peer in self._peers.values():
             if peer.left or self.lost is not None:
                 continue
@@ -251,7 +316,7 @@ class Liveness:
                 if quiet > limit:
                     self._lose(peer, f"nothing came from it for {quiet:.1f}s")
 
-    def _lose(self, peer: _Peer, why: str) -> None:
+    def _lose(self, peer: _Peer, why: str, quiet: bool = False) -> None:
         self.lost = PeerLostError(
             peer.rank,
             peer.doing,
@@ -260,7 +325,7 @@ class Liveness:
             + (f" ({time.monotonic() - peer.last:.1f}s before)" if peer.seen else ""),
         )
         self.flight.note(f"lost rank {peer.rank}: {why}")
-        log.error("%s", self.lost)
+        log.log(logging.DEBUG if quiet or self.stopped else logging.ERROR, "%s", self.lost)
 
     def _escalate(self) -> None:
         """Make the main thread stop: let its loop see the loss, then signal it, then exit."""
@@ -280,15 +345,29 @@ class Liveness:
                 self.flight.dump(self.flight_dir(), self.lost)
             except Exception:  # the exit below must happen whatever the disk says
                 log.exception("rank %d: could not write the flight record", self.rank)
-        sys.stderr.write(f"myelin.errors.PeerLostError: {self.lost} (exiting)\n")
+        sys.stderr.write(f"myelin.errors.{type(self.lost).__name__}: {self.lost} (exiting)\n")
         sys.stderr.flush()
         os._exit(1)
+
+
+def fresh(error: MyelinError) -> MyelinError:
+    """A new exception like `error`, to raise again without piling up tracebacks."""
+    if isinstance(error, PeerLostError):
+        return type(error)(error.rank, error.doing, str(error))
+    return type(error)(str(error))
+
+
+def _counts(value: Any) -> tuple[int, int]:
+    """A goodbye's (steps, evaluations), or (0, 0) if it says something else."""
+    if isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value):
+        return value[0], value[1]
+    return 0, 0
 
 
 def _decode_beat(raw: bytes) -> dict | None:
     """A heartbeat as {rank: int, doing: str[, bye: True]}, or None if it is anything else."""
     try:
-        beat = msgpack.unpackb(raw, raw=False, max_str_len=512, max_map_len=4, strict_map_key=True)
+        beat = msgpack.unpackb(raw, raw=False, max_str_len=512, max_map_len=6, strict_map_key=True)
     except Exception:
         return None
     if not isinstance(beat, dict) or type(beat.get("rank")) is not int:

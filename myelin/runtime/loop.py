@@ -95,7 +95,8 @@ class EventLoop:
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         if replicas is None and world.dp_group is not None:
-            replicas = AllReduce(world.dp_group, world.layout.data_parallel)
+            wait = world.waits.work if world.waits is not None else None
+            replicas = AllReduce(world.dp_group, world.layout.data_parallel, wait)
         self.replicas = replicas  # None: one replica, nothing to agree on
         self.inbox = Inbox(
             stage,
@@ -380,7 +381,7 @@ class EventLoop:
         so each holder applies the same update and the copies stay equal."""
         for group, params in self.tied:
             start = self.timeline.now()
-            sum_gradients(params, group)
+            sum_gradients(params, group, self.world.waits)
             self._collective(f"{self.stage.index}TIED", start)
 
     def _agree(self, loss: float, train: bool) -> float:
