@@ -33,6 +33,8 @@ from myelin.runtime.group import World
 
 __all__ = ["Callback", "LRSchedule", "Trainable", "evaluate", "fit"]
 
+_UNEVEN = ("shortest", "raise")
+
 LRSchedule = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
@@ -79,6 +81,7 @@ def fit(
     checkpoint_every: int | None = None,
     callbacks: Sequence[Callback | Callable[[Any, dict[str, Any]], None]] = (),
     progress: bool = True,
+    uneven: str = "shortest",
 ) -> list[dict[str, Any]]:
     """Train for `steps` steps or `epochs` passes over `loader` (default: one epoch), or
     until `max_seconds` pass; returns the metrics rows (see `myelin.metrics`).
@@ -99,16 +102,23 @@ def fit(
         with the scheduler's state as extra["scheduler"].
     callbacks: `myelin.Callback`s, or functions f(trainer, metrics) called on each row.
     progress: a progress bar on rank 0.
+    uneven: when the ranks' loaders differ in length (data-parallel replicas reading
+        different shards; what DDP's Join and Accelerate's even_batches are for):
+        "shortest" stops every rank after the shortest loader's batches, "raise" raises
+        ConfigError before the first step, naming each rank's length. Loaders without
+        len() cannot be compared up front: a rank whose peer ran out raises PeerLeftError.
     Steps are numbered as the trainer counts them (`steps_done`), so a resumed trainer
     continues its numbering, and `*_every` are multiples of that number.
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
     _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
+    if uneven not in _UNEVEN:
+        raise ConfigError(f"fit: uneven={uneven!r} must be one of {', '.join(_UNEVEN)}")
     hooks = [as_callback(c) for c in callbacks]
     if progress and trainer.rank == 0:
         hooks.append(ProgressBar())
     first = trainer.steps_done
-    total = steps if steps is not None else _epoch_steps(loader, epochs or 1)
+    total = steps if steps is not None else _even_steps(trainer, loader, epochs or 1, uneven)
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
     host_device = trainer.world.device.type != "cuda"
@@ -242,6 +252,28 @@ def _batches(loader: Iterable, steps: int | None, epochs: int) -> Iterator[Any]:
                 return
         if given == before:
             raise ConfigError("fit: the loader gave no batches")
+
+
+def _even_steps(trainer: Trainable, loader: Iterable, epochs: int, uneven: str) -> int | None:
+    """The steps of `epochs` passes over the loader, the same on every rank: the ranks
+    compare their loaders' lengths (an all-reduce) and take the shortest, or raise."""
+    mine = _epoch_steps(loader, epochs)
+    size = trainer.world.layout.world_size
+    if size == 1:
+        return mine
+    slots = [0.0] * size
+    slots[trainer.rank] = -1.0 if mine is None else float(mine)
+    every = [int(v) for v in all_reduce(slots)]
+    if min(every) < 0 or len(set(every)) == 1:
+        return mine  # one rank cannot tell (no len()): a departure names it, if it comes
+    if uneven == "raise":
+        lengths = ", ".join(f"rank {r}: {n} batches" for r, n in enumerate(every))
+        raise ConfigError(
+            f"fit: the ranks' loaders differ in length ({lengths} over {epochs} epoch(s)); "
+            f"every rank must run the same steps: give them data of one length, or pass "
+            f'uneven="shortest" to stop every rank at the shortest'
+        )
+    return min(every)
 
 
 def _epoch_steps(loader: Iterable, epochs: int) -> int | None:
