@@ -82,9 +82,10 @@ class ProgressBar(Callback):
     def on_log(self, trainer: Any, metrics: dict[str, Any]) -> None:
         if "val_loss" in metrics:
             self.postfix["val"] = f"{metrics['val_loss']:.3f}"
-        self.postfix["loss"] = f"{metrics['loss_avg']:.3f}"
-        self.postfix["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
-        self.postfix["idle"] = f"{100 * metrics['idle_frac']:.0f}%"
+        if "loss_avg" in metrics:  # (a validation before the first step has no loss yet)
+            self.postfix["loss"] = f"{metrics['loss_avg']:.3f}"
+            self.postfix["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
+            self.postfix["idle"] = f"{100 * metrics['idle_frac']:.0f}%"
         self.bar.set_postfix(self.postfix, refresh=False)
 
     def on_fit_end(self, trainer: Any, history: list[dict[str, Any]]) -> None:

@@ -82,6 +82,7 @@ def fit(
     callbacks: Sequence[Callback | Callable[[Any, dict[str, Any]], None]] = (),
     progress: bool = True,
     uneven: str = "shortest",
+    eval_first: bool = False,
 ) -> list[dict[str, Any]]:
     """Train for `steps` steps or `epochs` passes over `loader` (default: one epoch), or
     until `max_seconds` pass; returns the metrics rows (see `myelin.metrics`).
@@ -95,7 +96,9 @@ def fit(
         the checkpoint (its extra["scheduler"]).
     eval_loader, eval_every, eval_batches: validate (mean `eval_step` loss over the first
         `eval_batches` of `eval_loader`, iterated afresh each time: a fixed validation set
-        if it yields the same batches) every `eval_every` steps and at the end.
+        if it yields the same batches) every `eval_every` steps and at the end; with
+        `eval_first` also before the first step (a row of only step and val_loss), so
+        the run shows how far it got from where it started.
     log_every: a metrics row every this many steps, at every validation and at the end;
         each goes to the history and to every callback's on_log.
     checkpoint_dir, checkpoint_every: `trainer.save` every this many steps and at the end,
@@ -128,6 +131,12 @@ def fit(
         hook.on_fit_start(trainer, first, final)
     start = time.monotonic()
     try:
+        if eval_first and eval_loader is not None:
+            history.append(
+                {"step": first, "val_loss": evaluate(trainer, eval_loader, eval_batches)}
+            )
+            for hook in hooks:
+                hook.on_log(trainer, history[-1])
         for done, batch in enumerate(_batches(loader, steps, epochs or 1), start=1):
             inputs, targets = _pair(batch)
             t0 = time.perf_counter()

@@ -36,8 +36,10 @@ from myelin.data import Batches, TextData, decode, encode, load_stdlib_text
 from myelin.errors import ConfigError
 from myelin.launch import launch
 from myelin.lr import WarmupCosine
+from myelin.metrics import all_reduce
 from myelin.models.gpt import GPT, lm_loss
 from myelin.profile.config import ProfileConfig
+from myelin.profile.records import write_json
 from myelin.profile.report import gather_report
 from myelin.train_config import TrainConfig, add_arguments, config_from_args, read_toml, to_argv
 from myelin.trainer import Trainer
@@ -182,6 +184,7 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, data: TextData, run_log: Ru
         ),
         eval_loader=val_set,  # iterated afresh each time: batches 0..eval_batches-1
         eval_every=cfg.eval_every,
+        eval_first=first == 0,  # the untrained model's loss, for the closing line
         eval_batches=cfg.eval_batches,
         log_every=cfg.log_every,
         checkpoint_dir=run_log.run_dir / "checkpoint",
@@ -237,14 +240,19 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
     report = gather_report(trainer.timeline, trainer.world)  # collective, JSON via the store
     state = trainer.state_dict()  # collective: the whole model on rank 0, None elsewhere
     memory = trainer.memory_stats()
-    (run_dir / "memory").mkdir(exist_ok=True)
-    (run_dir / "memory" / f"rank{trainer.rank}.json").write_text(json.dumps(memory, indent=1))
+    write_json(run_dir / "memory" / f"rank{trainer.rank}.json", memory, indent=1)
+    slots = [0.0] * trainer.world_size  # every rank's resident memory, for rank 0's summary
+    slots[trainer.rank] = float(memory["rss_bytes"])
+    rss = all_reduce(slots)
     if trainer.rank != 0:
         return
     report.save(run_dir / "profile")  # summary, trace, PNG timeline, raw records
     torch.save(state, run_dir / "model.pt")
     _say("where the time went:\n" + report.format())
     _say(_memory_line(memory))
+    _say(
+        "resident memory: " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(rss))
+    )
     if val_curve:
         (first_step, first), (last_step, last) = val_curve[0], val_curve[-1]
         _say(f"validation loss {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step})")

@@ -238,8 +238,11 @@ class Trainer:
     def memory_stats(self) -> dict[str, Any]:
         """This rank's memory: the device's peak (measured by torch.cuda on a GPU, else by
         the runtime's accounting) and what was resident, the host pool, what was paged
-        out, and how often backward found its activations back in time."""
-        return memory_stats(self._memory, self.precision)
+        out, how often backward found its activations back in time, resident memory (rss_bytes,
+        rss_peak_bytes) and shared memory committed for sends (shm_committed_bytes)."""
+        stats = memory_stats(self._memory, self.precision)
+        stats["shm_committed_bytes"] = self.transport.shm_committed_bytes() if self.transport else 0
+        return stats
 
     # -- where this process sits ---------------------------------------------
 

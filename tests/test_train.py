@@ -96,12 +96,12 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
     config = json.loads((out_dir / "config.json").read_text())
     assert config["steps"] == 30 and config["stages"] == 2 and config["out"] == str(out_dir)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30]
-    for r in rows:
+    assert [r["step"] for r in rows] == [0, 5, 10, 15, 20, 25, 30]  # 0: validation only
+    for r in rows[1:]:
         assert r["loss"] > 0 and r["loss_avg"] > 0 and r["tokens_per_s"] > 0
         assert 0 <= r["idle_frac"] <= 1
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
-    assert len(vals) == 3 and vals[-1] < vals[0], vals
+    assert len(vals) == 4 and vals[-1] < vals[0], vals
     assert "where the time went" in out and "validation loss" in out and "sample (" in out
     assert (out_dir / "sample.txt").read_text().startswith("def ")
     model = GPT(TrainConfig(**config).model_config())  # the final weights, a plain GPT
@@ -136,7 +136,11 @@ def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
     again = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in again] == [r["step"] for r in full]
     for a, b in zip(again, full):
-        assert (a["loss"], a.get("val_loss"), a["lr"]) == (b["loss"], b.get("val_loss"), b["lr"])
+        assert (a.get("loss"), a.get("val_loss"), a.get("lr")) == (
+            b.get("loss"),
+            b.get("val_loss"),
+            b.get("lr"),
+        )
 
 
 def test_runs_unchanged_under_torchrun_and_agrees_on_one_run_directory(tmp_path):
@@ -146,7 +150,7 @@ def test_runs_unchanged_under_torchrun_and_agrees_on_one_run_directory(tmp_path)
     (run_dir,) = (tmp_path / "runs").iterdir()  # one timestamped directory, not one per rank
     assert (run_dir / "model.pt").exists() and (run_dir / "config.json").exists()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [3] and "val_loss" in rows[0]
+    assert [r["step"] for r in rows] == [0, 3] and "val_loss" in rows[1]
 
 
 def test_one_stage_trains_in_this_process(tmp_path, monkeypatch, capsys):

@@ -131,4 +131,21 @@ def memory_stats(memory: Memory, precision: str) -> dict[str, Any]:
         "offload_wait_seconds": stats.wait_s,
         "loss_scale": updater.scaler.scale if updater and updater.scaler else None,
         "skipped_steps": updater.scaler.skipped if updater and updater.scaler else 0,
+        **resident(),
     }
+
+
+def resident() -> dict[str, int]:
+    """This process's resident memory now and at its peak (VmRSS, VmHWM), in bytes; zeros
+    where /proc does not say."""
+    fields = {"VmRSS:": "rss_bytes", "VmHWM:": "rss_peak_bytes"}
+    out = dict.fromkeys(fields.values(), 0)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in fields:
+                    out[fields[parts[0]]] = int(parts[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out

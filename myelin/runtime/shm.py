@@ -5,6 +5,11 @@ A sender owns one anonymous segment per receiver (`memfd_create`: nothing appear
 It copies a tensor into a free slot and sends only the slot's location; the receiver
 maps the segment once, through /proc/<pid>/fd/<fd>, and wraps slots as tensors without
 a copy. A slot returns to the sender only after the receiver's tensor has died.
+
+A segment's size is only its ceiling: memory is committed as slots reach into it
+(first-fit keeps them low), in steps that double, each committed at once
+(MADV_POPULATE_WRITE) so a machine out of memory sends inline instead of failing later
+with SIGBUS. Neither side populates the rest of the mapping.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ ALIGN = 64  # slot alignment: a cache line, enough for every dtype and vector un
 _PAGE = mmap.PAGESIZE
 _MAGIC = b"MYELINSH"
 _NAME = "myelin-shm"
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python names it in 3.12
+_FIRST_COMMIT = 1 << 20  # the first step of committed memory past the header page
 
 
 class ShmError(Exception):
@@ -94,15 +101,32 @@ class Segment:
         self.size = _PAGE + capacity
         self.fd: int | None = os.memfd_create(_NAME, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, self.size)
-            os.posix_fallocate(self.fd, 0, self.size)  # no memory: an error now, not SIGBUS later
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            os.ftruncate(self.fd, self.size)  # a ceiling: nothing is committed yet
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
+            self.committed = 0
+            if not self._commit(_PAGE):  # a kernel without MADV_POPULATE_WRITE: all now
+                os.posix_fallocate(self.fd, 0, self.size)
+                self.committed = self.size
         except OSError as exc:
             os.close(self.fd)
             raise ShmError(f"cannot create a {self.size}-byte segment: {exc}") from exc
         self._map[: len(_MAGIC) + 8] = _MAGIC + self.token.to_bytes(8, "little")
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.slots = SlotAllocator(_PAGE, capacity)
+
+    def _commit(self, end: int) -> bool:
+        """Commit memory up to `end` (doubling what is committed, at least); False if the
+        machine has none to give."""
+        if end <= self.committed:
+            return True
+        target = min(self.size, max(end, 2 * self.committed, _PAGE + _FIRST_COMMIT))
+        target = -(-target // _PAGE) * _PAGE
+        try:
+            self._map.madvise(_POPULATE_WRITE, self.committed, target - self.committed)
+        except OSError:
+            return False
+        self.committed = target
+        return True
 
     def offer(self) -> dict[str, Any]:
         """What a peer on this host needs to map the segment."""
@@ -112,6 +136,9 @@ class Segment:
         """Copy a contiguous tensor into a free slot and return its offset, or None if full."""
         nbytes = tensor.numel() * tensor.element_size()
         offset = self.slots.alloc(nbytes)
+        if offset is not None and not self._commit(offset + nbytes):
+            self.slots.free(offset)  # no memory to commit: the tensor goes inline
+            return None
         if offset is not None:
             flat = tensor.detach().reshape(-1).view(torch.uint8)
             self._bytes[offset : offset + nbytes].copy_(flat)
@@ -149,7 +176,7 @@ class Mapping:
             info = os.fstat(local)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size or size <= _PAGE:
                 raise ShmError(f"{path} is {info.st_size} bytes, the offer said {size}")
-            self._map = mmap.mmap(local, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self._map = mmap.mmap(local, size, flags=mmap.MAP_SHARED)  # pages as slots come
         except ShmError:
             raise
         except OSError as exc:

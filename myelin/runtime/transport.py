@@ -206,6 +206,11 @@ class Transport:
                 return
             peer.queue.popleft()
 
+    def shm_committed_bytes(self) -> int:
+        """Memory committed in the shared segments this rank sends through."""
+        sides = [p.shm for p in self._peers.values() if p.shm is not None]
+        return sum(side.segment.committed for side in sides if side.segment is not None)
+
     def pending_sends(self) -> int:
         """Messages not yet handed to ZeroMQ, plus zero-copy frames ZeroMQ still reads."""
         self._reap()
