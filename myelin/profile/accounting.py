@@ -3,10 +3,11 @@
 In a window [start, end] the parts are disjoint and add up to 100%: busy (forward,
 backward, optimizer, evaluation, GPU kernels), then each idle cause in the order of
 `CAUSES` claims the time its waits cover that nothing before it claimed: bubble (no
-operation ready, waiting for a message), offload wait, collective wait (all-reduce),
-optimizer on the host; for torch.profiler traces also HTA's host wait, short gap and
-other. What no record covers is host overhead. Times are intervals: sorted, disjoint
-lists of (start, end).
+operation ready, waiting for a message the schedule implies), the other waits for a
+message (latency, a slow peer, step-end sync: attribution.py), offload wait,
+collective wait (all-reduce), optimizer on the host; for torch.profiler traces also
+HTA's host wait, short gap and other. What no record covers is host overhead. Times
+are intervals: sorted, disjoint lists of (start, end).
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from myelin.profile.attribution import MESSAGE_CAUSES
 from myelin.profile.timeline import IDLE_CAUSES, KINDS, Span
 
 __all__ = ["BUSY_KINDS", "CAUSES", "COMM_KINDS", "HTA_CAUSES", "account", "merge_intervals"]
 
 HTA_CAUSES = ("host_wait", "short_gap", "other")
 # Idle causes in the order they claim time; host overhead is what none claims.
-CAUSES = ("bubble", "offload_wait", "collective_wait", "optimizer_host", *HTA_CAUSES)
+CAUSES = (
+    "bubble",
+    *MESSAGE_CAUSES[1:],  # waits for a message the schedule does not imply (attribution.py)
+    "offload_wait",
+    "collective_wait",
+    "optimizer_host",
+    *HTA_CAUSES,
+)
 BUSY_KINDS = frozenset(
     {k for k, g in KINDS.items() if g == "compute"} | {"kernel", "memcpy", "memset", "cpu_op"}
 )

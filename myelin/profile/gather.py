@@ -37,8 +37,9 @@ def gather(
     store.set(f"{prefix}/{world.rank}", zlib.compress(json.dumps(record).encode(), 1))
     keys = [f"{prefix}/{r}" for r in range(size)]
     try:
-        if world.waits is not None:  # a lost or departed peer raises here, within seconds
-            world.waits.keys(store, keys, "the profile gather", timeout_s)
+        waits = getattr(world, "waits", None)
+        if waits is not None:  # a lost or departed peer raises here, within seconds
+            waits.keys(store, keys, "the profile gather", timeout_s)
         else:
             store.wait(keys, timedelta(seconds=timeout_s))
     except (RuntimeError, DeadlineError):  # DistStoreError on timeout: take what came

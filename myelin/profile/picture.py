@@ -37,6 +37,9 @@ _COLOURS = {
     "cpu_op": "#4c72b0",
     "send": "#222222",
     "bubble": "#f2b8b5",
+    "latency": "#c44e52",
+    "slow_peer": "#8c613c",
+    "sync": "#8172b3",
     "offload_wait": "#f5d76e",
     "collective_wait": "#dd8452",
     "optimizer_host": "#937860",
@@ -47,7 +50,10 @@ _COLOURS = {
 
 
 _LABELS = {
-    "bubble": "bubble (waiting for a message)",
+    "bubble": "bubble (the schedule's)",
+    "latency": "message latency",
+    "slow_peer": "slow peer",
+    "sync": "step-end sync",
     "offload_wait": "offload wait",
     "collective_wait": "collective wait",
     "optimizer_host": "optimizer on host",

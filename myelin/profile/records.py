@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +44,8 @@ def collect(
         "replica": replica,
         "device": None if device is None else str(device),
         "wall_origin": timeline.wall_origin,
+        "mono_origin": timeline.origin,  # perf_counter: one clock for every rank on a host
+        "host": socket.gethostname(),
         "span_fields": list(SPAN_FIELDS),
         "spans": [[getattr(s, f) for f in SPAN_FIELDS] for s in spans],
         "counters": dict(counters or {}),

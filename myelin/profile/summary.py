@@ -4,7 +4,10 @@
     print(format_summary(summary))                                 # one row per rank
 
 Figures are fractions of each rank's wall time (from its first record of a step to its
-last), over the steady-state steps (after `warmup_steps`) and over the whole run.
+last), over the steady-state steps (after `warmup_steps`) and over the whole run. Waits
+for messages are first split into the bubble the schedule implies and the rest
+(attribution.py), and each rank's `expected_bubble` is the one a replay of its
+schedule, with the measured op times and instant messages, had.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from myelin.profile.accounting import HTA_CAUSES, Interval, account
+from myelin.profile.attribution import attribute
 from myelin.profile.timeline import Span
 
 __all__ = ["SUMMARY_FORMAT", "format_summary", "pct", "steady", "steps_of", "summarize"]
@@ -40,6 +44,11 @@ def summarize(
     all_steps = steps_of(spans)
     steady_steps = steady(all_steps, warmup_steps)
     source = ranks[0].get("source", "myelin") if ranks else "myelin"
+    expected: dict[int, float] = {}
+    if source == "myelin" and steady_steps and not missing:
+        cut = attribute(ranks, spans, steady_steps[0])  # the bubble apart from other waits
+        if cut is not None:
+            spans, expected = cut
     rows = []
     for rec in ranks:
         rank_spans = spans[rec["rank"]]
@@ -51,6 +60,8 @@ def summarize(
         row["steps"] = [steady_steps[0], steady_steps[-1]] if steady_steps else []
         whole = _window(rank_spans) or (0.0, 0.0)
         row["whole_run"] = account(rank_spans, *whole, **how)
+        if rec["rank"] in expected:
+            row["expected_bubble"] = expected[rec["rank"]]
         if rec.get("detail"):
             row["detail"] = rec["detail"]
         rows.append(row)
@@ -86,16 +97,20 @@ def _mean(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     keys = list(dict.fromkeys(k for r in rows for k in r["idle"]))
     overlaps = [r["overlap_frac"] for r in rows if r["overlap_frac"] is not None]
-    return {
+    mean = {
         "wall_s": sum(r["wall_s"] for r in rows) / len(rows),
         "busy_frac": sum(r["busy_frac"] for r in rows) / len(rows),
         "idle": {k: sum(r["idle"].get(k, 0.0) for r in rows) / len(rows) for k in keys},
         "overlap_frac": sum(overlaps) / len(overlaps) if overlaps else None,
     }
+    if all("expected_bubble" in r for r in rows):
+        mean["expected_bubble"] = sum(r["expected_bubble"] for r in rows) / len(rows)
+    return mean
 
 
 _SHORT = {
     "bubble": "bubble",
+    "slow_peer": "slow-peer",
     "offload_wait": "offload",
     "collective_wait": "collect.",
     "optimizer_host": "opt-host",
@@ -112,11 +127,20 @@ def format_summary(summary: dict[str, Any]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r["idle"]))
     if summary["source"] != "myelin":  # causes that no record of an imported trace can have
         keys = [k for k in keys if any(r["idle"][k] for r in rows) or k in HTA_CAUSES]
-    head = ["rank", "stage", "wall s", "busy", *(_SHORT.get(k, k) for k in keys), "overlap"]
+    shown = ["expected" if k == "expected" else _SHORT.get(k, k) for k in keys]
+    if all("expected_bubble" in r for r in rows) and "bubble" in keys:
+        keys.insert(keys.index("bubble") + 1, "expected")  # the bubble the schedule implies
+        shown = ["expected" if k == "expected" else _SHORT.get(k, k) for k in keys]
+    head = ["rank", "stage", "wall s", "busy", *shown, "overlap"]
+
+    def cell(r: dict[str, Any], k: str) -> str:
+        if k == "expected":
+            return pct(r["expected_bubble"]) if "expected_bubble" in r else "-"
+        return pct(r["idle"].get(k, 0.0))
 
     def line(r: dict[str, Any], label: str) -> list[str]:
         cells = [label, "-" if r.get("stage") is None else str(r["stage"]), f"{r['wall_s']:.3f}"]
-        cells += [pct(r["busy_frac"])] + [pct(r["idle"].get(k, 0.0)) for k in keys]
+        cells += [pct(r["busy_frac"])] + [cell(r, k) for k in keys]
         return cells + ["-" if r["overlap_frac"] is None else pct(r["overlap_frac"])]
 
     table = [head] + [line(r, str(r["rank"])) for r in rows]

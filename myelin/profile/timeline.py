@@ -32,7 +32,18 @@ KINDS = {
     "allreduce": "wait",
     "offload": "wait",  # copies to and from host memory the device waits for
 }
-IDLE_CAUSES = ("bubble", "offload_wait", "collective_wait", "optimizer_host", "host_overhead")
+# bubble: a wait for a message that the schedule implies; latency, slow_peer and sync:
+# the rest of such waits (profile/attribution.py tells them apart after the run)
+IDLE_CAUSES = (
+    "bubble",
+    "latency",
+    "slow_peer",
+    "sync",
+    "offload_wait",
+    "collective_wait",
+    "optimizer_host",
+    "host_overhead",
+)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,95 @@
+"""The replay behind the bubble: waits the schedule implies, and what latency adds.
+
+Simulated GPipe pipelines of equal stages (as in test_report.py), but every message takes
+`latency` seconds to arrive. The replay removes the latency, so the expected bubble is
+(p-1)/(m+p-1) whatever it is; the observed waits split into that bubble and the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from myelin.profile.attribution import MESSAGE_CAUSES, attribute
+from myelin.profile.report import account, collect
+from myelin.profile.timeline import Timeline
+
+F, B, OPT = 0.010, 0.020, 0.001
+
+
+def gpipe(p: int, m: int, steps: int, latency: float) -> list[Timeline]:
+    """GPipe on equal stages; each message arrives `latency` after its operation ends."""
+    lines = [Timeline(s, s) for s in range(p)]
+    for line in lines:  # one clock for all, as ranks on one host share the monotonic clock
+        line.wall_origin, line.origin = lines[0].wall_origin, lines[0].origin
+    free = [0.0] * p
+    for step in range(steps):
+        for kind, order, span in (("F", range(p), F), ("B", reversed(range(p)), B)):
+            done = [[0.0] * m for _ in range(p)]
+            for s in order:
+                t = free[s]
+                src = s - 1 if kind == "F" else s + 1
+                for i in range(m):
+                    start = max(t, done[src][i] + latency) if 0 <= src < p else t
+                    if start > t:
+                        lines[s].add("wait", f"{s}RECV_{kind}{i}", t, start, step, cause="bubble",
+                                      microbatch=i, peer=src)  # fmt: skip
+                    name = "forward" if kind == "F" else "backward"
+                    lines[s].add(name, f"{s}{kind}{i}", start, start + span, step, microbatch=i)
+                    t = done[s][i] = start + span
+                if kind == "B":
+                    lines[s].add("optimizer", f"{s}OPT", t, t + OPT, step)
+                    t += OPT
+                free[s] = t
+    return lines
+
+
+def figures(lines: list[Timeline], first_step: int = 1):
+    records = [collect(t, replica=0) for t in lines]
+    spans = {r["rank"]: t.spans for r, t in zip(records, lines)}
+    out = attribute(records, spans, first_step)
+    assert out is not None
+    cut, expected = out
+    rows = {}
+    for r in spans:
+        mine = [s for s in cut[r] if s.step >= first_step]
+        window = (min(s.start for s in mine), max(s.end for s in mine))
+        rows[r] = account(mine, *window)
+    return rows, expected, spans, cut
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_without_latency_every_wait_is_the_bubble_of_the_formula(p, m):
+    rows, expected, _, _ = figures(gpipe(p, m, steps=4, latency=0.0))
+    want = (p - 1) / (m + p - 1)
+    for r, row in rows.items():
+        assert expected[r] == pytest.approx(want, abs=0.01)
+        assert row["idle"]["bubble"] == pytest.approx(expected[r], abs=1e-6)
+        for cause in ("latency", "slow_peer", "sync"):
+            assert row["idle"].get(cause, 0.0) == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_latency_is_told_apart_from_the_bubble(p, m):
+    latency = 0.002
+    rows, expected, spans, cut = figures(gpipe(p, m, steps=4, latency=latency))
+    want = (p - 1) / (m + p - 1)
+    for r, row in rows.items():
+        assert expected[r] == pytest.approx(want, abs=0.01), r  # the replay has no latency
+        idle = row["idle"]
+        assert idle["latency"] > 0, (r, idle)
+        assert idle["bubble"] < expected[r]  # the same seconds, of a longer wall time
+        assert row["busy_frac"] + sum(idle.values()) == pytest.approx(1, abs=1e-9)
+        # cutting moves time between causes, never adds or loses any
+        before = sum(s.end - s.start for s in spans[r] if s.cause == "bubble" and s.step >= 1)
+        after = sum(s.end - s.start for s in cut[r] if s.cause in MESSAGE_CAUSES and s.step >= 1)
+        assert after == pytest.approx(before, abs=1e-9)
+    # stage 0 waits for gradients that stage 1 produced late, held up itself by latency
+    assert rows[0]["idle"]["slow_peer"] > 0, rows[0]
+    # the last stage waits at each step's start for stage 0, which finishes its step last
+    assert rows[p - 1]["idle"]["sync"] > 0, rows[p - 1]
+
+
+def test_without_every_rank_there_is_no_replay():
+    lines = gpipe(2, 4, steps=3, latency=0.001)
+    records = [collect(lines[0], replica=0) | {"stages": 2}]  # rank 1 sent nothing
+    assert attribute(records, {0: lines[0].spans}, 1) is None
