@@ -80,9 +80,9 @@ class Failures:
         self.failed = error
         if self.liveness is not None:
             self.liveness.failed = error
-        if not isinstance(error, RemoteError):
+        if not isinstance(error, RemoteError):  # (a RemoteError's rank has told already)
+            launched.tell(f"failed {self.rank}")  # the launcher stops the others now
             self.abort(error)
-        launched.tell(f"failed {self.rank}")  # the launcher stops the others now
         if isinstance(error, Exception) and not getattr(error, "_myelin_recorded", False):
             self.flight.note(f"failed in {doing}: {type(error).__name__}")
             self.record(error)
@@ -133,6 +133,8 @@ class Failures:
             self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.failed is not None:
+            return  # this rank has its own error and is on its way out: let it finish
         lost = self.liveness.find_lost() if self.liveness is not None else None
         if lost is not None:
             self.liveness.acknowledged = True

@@ -125,7 +125,8 @@ def fit(
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
     host_device = trainer.world.device.type != "cuda"
-    meter = Meter(trainer.timeline, host_device, trainer.world.layout.data_parallel)
+    waits = trainer.world.waits
+    meter = Meter(trainer.timeline, host_device, trainer.world.layout.data_parallel, waits)
     history: list[dict[str, Any]] = []
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)
@@ -144,7 +145,7 @@ def fit(
             tokens = _tokens(targets if targets is not None else inputs)
             meter.add(loss, tokens, time.perf_counter() - t0)
             step, lr = trainer.steps_done, _lr(trainer)
-            used = _time_used(start, max_seconds)
+            used = _time_used(start, max_seconds, waits)
             if scheduler is not None:
                 _advance(scheduler, max(step / final if final else 0.0, used))
             last = done == total or used >= 1.0
@@ -197,11 +198,11 @@ def _lr(trainer: Trainable) -> float | None:
     return trainer.optimizer.param_groups[0]["lr"] if trainer.optimizer is not None else None
 
 
-def _time_used(start: float, max_seconds: float | None) -> float:
+def _time_used(start: float, max_seconds: float | None, waits: Any = None) -> float:
     """The share of the time budget used, the largest over all ranks (0 without one)."""
     if max_seconds is None:
         return 0.0
-    return all_reduce([(time.monotonic() - start) / max_seconds], op="max")[0]
+    return all_reduce([(time.monotonic() - start) / max_seconds], op="max", waits=waits)[0]
 
 
 def _checkpoint(trainer: Trainable, path: Any, scheduler: Any, hooks: list[Callback]) -> None:
@@ -272,7 +273,7 @@ def _even_steps(trainer: Trainable, loader: Iterable, epochs: int, uneven: str) 
         return mine
     slots = [0.0] * size
     slots[trainer.rank] = -1.0 if mine is None else float(mine)
-    every = [int(v) for v in all_reduce(slots)]
+    every = [int(v) for v in all_reduce(slots, waits=trainer.world.waits)]
     if min(every) < 0 or len(set(every)) == 1:
         return mine  # one rank cannot tell (no len()): a departure names it, if it comes
     if uneven == "raise":

@@ -7,10 +7,11 @@ and freed and raced for) and starts each rank in a process group of its own with
 torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT and the TORCHELASTIC_* variables that point ranks at that store. Then, every
 50 ms:
-1. a rank that exited non-zero, or said it raised an error (through the pipe, before its
-   slow exit), is the first failure: every other rank gets SIGTERM and, after `grace_s`,
-   SIGKILL (a frozen rank at once: it cannot hold the job), and the exit status is the
-   failed rank's;
+1. a rank that said it raised an error (through the pipe, before its slow exit), or else
+   exited non-zero first, is the first failure; a frozen (SIGSTOPped) rank is killed as
+   soon as a rank said it failed, since it cannot act on the failed rank's abort. Once a
+   rank exited non-zero every other rank gets SIGTERM and, after `grace_s`, SIGKILL; the
+   exit status is the first failure's;
 2. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher stops every rank the same way (with
    SIGINT, which a rank ends on quietly) and prints one line: interrupted, which ranks
    were stopped, where their flight records are; the exit status is 128 + the signal.
@@ -37,7 +38,6 @@ __all__ = ["launch", "GRACE_S"]
 
 GRACE_S = 5.0  # default seconds a stopped rank gets between SIGTERM and SIGKILL
 _POLL_S = 0.05
-_SPARE_S = 30.0  # the rank that failed first gets this long to exit by itself
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -48,7 +48,7 @@ class _Rank:
     code: int | None = None  # exit status once it ended (negative: killed by that signal)
     stopped: bool = False  # it was still running when the launcher stopped the job
     flight: list[str] = field(default_factory=list)  # flight records it reported
-    failed: bool = False  # it said it raised an error (and is on its way out)
+    failed: int = 0  # it said it raised an error (and is on its way out): 1 told first, ...
 
 
 def launch(
@@ -135,13 +135,20 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
         for r in ranks:
             if r.code is None:
                 r.code = r.proc.poll()
-            if first is None and (r.code or r.failed):
-                first = r  # failed: exited non-zero, or said it raised (it is exiting)
+        told = sorted((r for r in ranks if r.failed), key=lambda r: r.failed)
+        exited = [r for r in ranks if r.code]
+        if first is None and (told or exited):
+            first = (told or exited)[0]  # said it raised (it is exiting), or exited non-zero
+        if told:  # the others are being told by the failed rank; a frozen one cannot hear
+            for r in ranks:
+                if r.code is None and _frozen(r.proc.pid):
+                    r.stopped = True
+                    _signal_group(r.proc.pid, signal.SIGKILL)
         running = [r for r in ranks if r.code is None]
-        if caught or first is not None or not running:
+        if caught or exited or not running:
             break
         time.sleep(_POLL_S)
-    _stop(ranks, grace_s, signal.SIGINT if caught else signal.SIGTERM, spare=first)
+    _stop(ranks, grace_s, signal.SIGINT if caught else signal.SIGTERM)
     _read_reports(ranks, reader, pending)
     if caught:
         signum = caught[0]
@@ -160,31 +167,20 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
     return first.code if first.code is not None and 0 < first.code < 256 else 1
 
 
-def _stop(
-    ranks: list[_Rank], grace_s: float, signum: int = signal.SIGTERM, spare: _Rank | None = None
-) -> None:
+def _stop(ranks: list[_Rank], grace_s: float, signum: int = signal.SIGTERM) -> None:
     """Signal every rank still running (its whole process group; SIGINT after Ctrl-C, which
     ranks end quietly on, else SIGTERM), and SIGKILL it after grace_s; a stopped (frozen)
-    rank at once, as it cannot act on a signal. `spare`, the rank that failed and is
-    exiting by itself, is left to exit for another _SPARE_S before it is killed too."""
+    rank at once, as it cannot act on a signal."""
     running = [r for r in ranks if r.proc.poll() is None]
     for r in running:
-        if r is spare:
-            continue
         r.stopped = True
         _signal_group(r.proc.pid, signal.SIGKILL if _frozen(r.proc.pid) else signum)
     deadline = time.monotonic() + grace_s
     while any(r.proc.poll() is None for r in running) and time.monotonic() < deadline:
         time.sleep(0.02)
     for r in running:
-        if r.proc.poll() is None and r is not spare:
+        if r.proc.poll() is None:
             _signal_group(r.proc.pid, signal.SIGKILL)
-    if spare is not None and spare in running:
-        try:
-            spare.proc.wait(timeout=_SPARE_S)
-        except subprocess.TimeoutExpired:
-            _signal_group(spare.proc.pid, signal.SIGKILL)
-    for r in running:
         r.code = r.proc.wait()
 
 
@@ -219,7 +215,7 @@ def _read_reports(ranks: list[_Rank], reader: int, pending: bytes) -> bytes:
         kind, _, rest = line.decode(errors="replace").partition(" ")
         rank, _, path = rest.partition(" ")
         if kind == "failed" and rank.isdigit() and int(rank) < len(ranks):
-            ranks[int(rank)].failed = True
+            ranks[int(rank)].failed = 1 + max(r.failed for r in ranks)  # in order of telling
         if kind == "flight" and rank.isdigit() and int(rank) < len(ranks) and path:
             if path not in ranks[int(rank)].flight:
                 ranks[int(rank)].flight.append(path)

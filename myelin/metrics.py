@@ -30,8 +30,11 @@ __all__ = ["Meter", "all_reduce"]
 class Meter:
     """Loss, throughput and idle share since the last row."""
 
-    def __init__(self, timeline: Timeline, host_device: bool, replicas: int) -> None:
+    def __init__(
+        self, timeline: Timeline, host_device: bool, replicas: int, waits: Any = None
+    ) -> None:
         self.timeline = timeline
+        self.waits = waits  # bounded waits for the all-reduce of each row (runtime/bounded.py)
         self.host_device = host_device  # on the CPU, sends inside an operation are not compute
         self.replicas = replicas  # every replica trains on as many tokens as this one
         self._reset()
@@ -63,7 +66,7 @@ class Meter:
         """The row for `step`, and a fresh window; every rank must call it (idle_frac is
         summed over ranks)."""
         n = len(self.losses)
-        busy, wall = all_reduce(list(self._busy_and_wall()))
+        busy, wall = all_reduce(list(self._busy_and_wall()), waits=self.waits)
         row: dict[str, Any] = {
             "step": step,
             "loss": self.losses[-1] if n else math.nan,
@@ -79,10 +82,15 @@ class Meter:
         return row
 
 
-def all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """Sum or max over every rank (a tiny gloo all-reduce, no pickling); as is when alone."""
+def all_reduce(values: list[float], op: str = "sum", waits: Any = None) -> list[float]:
+    """Sum or max over every rank (a tiny gloo all-reduce, no pickling); as is when alone.
+    With `waits` (runtime/bounded.py) a lost or departed rank raises instead of hanging."""
     if not dist.is_initialized():
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    if waits is None:
+        dist.all_reduce(t, op=reduce_op)
+    else:
+        waits.all_reduce(t, reduce_op, what="fit's agreement of all ranks")
     return t.tolist()

@@ -55,6 +55,15 @@ def test_fit_equals_a_loop_of_steps_and_logs_metrics():
     assert all(h["tokens_per_s"] > 0 and 0 <= h["idle_frac"] <= 1 for h in history)
 
 
+def test_eval_first_validates_before_the_first_step():
+    loader = DataLoader(data(32), batch_size=16)
+    with trainer() as t:
+        before = t.evaluate(loader)
+        history = t.fit(loader, eval_loader=loader, eval_first=True, log_every=4, progress=False)
+        assert history[0] == {"step": 0, "val_loss": before}
+        assert [row["step"] for row in history] == [0, 2]
+
+
 def test_fit_by_steps_cycles_the_loader_and_evaluate_averages_batches():
     loader = DataLoader(data(16), batch_size=8)
     with trainer() as t:
@@ -197,6 +206,7 @@ def test_a_time_budget_stops_training_and_tells_the_schedule_its_progress():
         ({"checkpoint_dir": "c", "checkpoint_every": 0}, "checkpoint_every=0 must be an int"),
         ({"lr_schedule": 0.1}, "lr_schedule=0.1 must be a function of the optimizer"),
         ({"callbacks": [3]}, "callbacks: 3 is neither a myelin.Callback nor a function"),
+        ({"uneven": "longest"}, "uneven='longest' must be one of shortest, raise"),
     ],
 )
 def test_bad_new_fit_arguments_are_named(kwargs, message):

@@ -25,40 +25,41 @@ class AllReduce(Strategy):
 
     reduces_gradients = True
 
-    def __init__(self, group: Any, replicas: int, wait: Any = None) -> None:
+    def __init__(self, group: Any, replicas: int, waits: Any = None) -> None:
         self.group = group
         self.replicas = replicas
-        self.wait = wait  # waits for a Work, a slice at a time (runtime/bounded.py)
+        self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and the loss over the replicas."""
-        return average_gradients(params, loss, self.group, self.replicas, self.wait)
+        return average_gradients(params, loss, self.group, self.replicas, self.waits)
 
     def eval_loss(self, loss: float) -> float:
         """Average an evaluation loss over the replicas."""
-        return average_gradients([], loss, self.group, self.replicas, self.wait)
+        return average_gradients([], loss, self.group, self.replicas, self.waits)
 
 
 def average_gradients(
-    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int, wait: Any = None
+    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int, waits: Any = None
 ) -> float:
     """Average gradients and the loss over `group`: asynchronous all-reduces in ~25 MiB
-    buckets, all in flight at once. A parameter no replica used keeps grad None. `wait`
-    waits for each (default: Work.wait, which a departed peer can hang)."""
+    buckets, all in flight at once. A parameter no replica used keeps grad None. With
+    `waits` (runtime/bounded.py) a lost or departed replica raises instead of hanging."""
     had_grad = [p.grad is not None for p in params]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     loss_t = torch.tensor([loss], dtype=torch.float64)
-    works = [(dist.all_reduce(loss_t, group=group, async_op=True), None, None)]
+    issue = waits.issue if waits is not None else _issue
+    works = [(issue(loss_t, group), None, None)]
     for bucket in _buckets([p.grad for p in params]):
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+        works.append((issue(flat, group), flat, bucket))
     for work, flat, bucket in works:
-        if wait is None:
+        if waits is None:
             work.wait()
         else:
-            wait(work)
+            waits.work(work, strict=False)
         if flat is None:
             continue
         flat.div_(replicas)
@@ -70,6 +71,10 @@ def average_gradients(
         if not had and not p.grad.any():
             p.grad = None  # unused everywhere: leave it to the optimizer to skip
     return float(loss_t.item()) / replicas
+
+
+def _issue(t: torch.Tensor, group: Any) -> Any:
+    return dist.all_reduce(t, group=group, async_op=True)
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

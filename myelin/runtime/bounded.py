@@ -25,6 +25,7 @@ from myelin.runtime.liveness import fresh
 __all__ = ["Waits", "SLICE_S"]
 
 SLICE_S = 0.05  # longest stretch in C++ without a look at signals and peers
+_EXPLAIN_S = 1.0  # how long a failed collective waits to learn which peer broke it
 _LEFT_GRACE_S = 0.2  # a peer that left: what it sent before may still be on its way
 _STORE_POLL_S = (0.001, 0.02)  # a store key is polled (each look is a round trip): 1 ms, then 20
 
@@ -82,14 +83,43 @@ class Waits:
                 raise DeadlineError(f"{self.me} waited {waited:.0f}s in {where or 'a wait'}")
 
     def _explain(self, exc: Exception, what: str | None, strict: bool) -> None:
-        """Raise the loss behind a failed collective, if the heartbeats know one."""
+        """Raise the loss or departure behind a failed collective, if the heartbeats know
+        or learn one within a second (a peer's goodbye may come after its sockets closed)."""
         if self.liveness is None:
             return
-        lost = self.liveness.find_lost(settle_s=1.0)
-        if lost is not None:
-            self.liveness.acknowledged = True
-            raise fresh(lost) from exc
-        self.check(what, strict)
+        deadline = time.monotonic() + _EXPLAIN_S
+        while True:
+            lost = self.liveness.find_lost()
+            if lost is not None:
+                self.liveness.acknowledged = True
+                raise fresh(lost) from exc
+            try:
+                self.check(what, strict)
+            except MyelinError as left:
+                raise left from exc
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def issue(
+        self, t: Any, group: Any = None, op: Any = None, what: str | None = None, strict=False
+    ) -> Any:
+        """Start an all-reduce of `t` (async); a broken connection can fail the call itself,
+        and then the peer behind it is named."""
+        op = dist.ReduceOp.SUM if op is None else op
+        try:
+            return dist.all_reduce(t, op=op, group=group, async_op=True)
+        except MyelinError:
+            raise
+        except Exception as exc:
+            self._explain(exc, what, strict)
+            raise
+
+    def all_reduce(
+        self, t: Any, op: Any = None, group: Any = None, what: str | None = None, strict=True
+    ) -> None:
+        """An all-reduce of `t` in place that a lost or departed peer cannot hang."""
+        self.work(self.issue(t, group, op, what, strict), what, strict)
 
     def work(self, work: Any, what: str | None = None, strict: bool = True) -> None:
         """Wait for a torch.distributed Work (async_op=True), a slice at a time."""

@@ -235,11 +235,10 @@ def _destroy_default_group() -> None:
 
 def _all_reduce(t: torch.Tensor, group: Any, waits: Any, op: Any = None) -> None:
     """An all-reduce that a lost or departed peer cannot hang (with `waits`)."""
-    op = dist.ReduceOp.SUM if op is None else op
     if waits is None:
-        dist.all_reduce(t, op=op, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
     else:
-        waits.work(dist.all_reduce(t, op=op, group=group, async_op=True), strict=False)
+        waits.all_reduce(t, op, group, strict=False)
 
 
 def sum_gradients(params: list[torch.nn.Parameter], group: Any, waits: Any = None) -> None:

@@ -95,8 +95,7 @@ class EventLoop:
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         if replicas is None and world.dp_group is not None:
-            wait = world.waits.work if world.waits is not None else None
-            replicas = AllReduce(world.dp_group, world.layout.data_parallel, wait)
+            replicas = AllReduce(world.dp_group, world.layout.data_parallel, world.waits)
         self.replicas = replicas  # None: one replica, nothing to agree on
         self.inbox = Inbox(
             stage,

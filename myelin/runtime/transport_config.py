@@ -35,8 +35,8 @@ class TransportConfig:
         (no file, gone with the process), or the temp directory elsewhere.
     shm: carry large tensors between ranks on one host (ipc) through shared memory.
     shm_threshold_bytes: tensors of at least this many bytes take shared memory.
-    shm_bytes: size of each (sender, receiver) segment, committed in RAM at the first
-        large send; a tensor that does not fit travels inline.
+    shm_bytes: the most each (sender, receiver) segment may hold; memory is committed as
+        slots reach into it; a tensor that does not fit travels inline.
     shm_wait_s: how long a message may wait for a free slot, once nothing is in flight,
         before it goes inline instead (a receiver holding every slot cannot stall a sender).
     curve: encrypt and authenticate every connection with ZeroMQ CURVE, with keys made

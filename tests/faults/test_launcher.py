@@ -9,8 +9,9 @@
 - Nothing is left in the temp folder: no torchelastic_* directory (item 5).
 
 Worker: tests/workers/longrun.py (and peerloss.py for the frozen rank). Bounds: the
-issue's 5 s for a rank's own error, 8 s until its process is gone (teardown on a loaded
-machine), 10 s for the launcher; the old behaviour took forever, 30 s and 30 s.
+issue's 5 s for a rank's own error, 15 s until its process is gone (interpreter teardown
+with torch loaded took up to 9 s on a 2-core machine at load 20), 10 s for the launcher;
+the old behaviour took forever, 30 s and 30 s.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from myelin.runtime.liveness import pid_alive
 from tests._procs import WORKERS, _reap_session, launch
 
 RAISE_S = 5.0
-GONE_S = 8.0
+GONE_S = 15.0
 LAUNCHER_S = 10.0
 
 

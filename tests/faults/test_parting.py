@@ -8,8 +8,10 @@ evaluations, uneven loaders under data parallelism): the waiting rank raises wit
 naming the peer and the steps each reached (issue 20). Workers: tests/workers/parting.py.
 
 The bound asserted is the issue's 5 s for the error (the rank's own clock against the
-victim's), and 8 s for the whole job to end (process teardown on a loaded machine);
-before the fix these took 30 s (the launcher's grace period) or 30-300 s (a deadline).
+victim's), and 15 s for the whole job to end: after the error, each process still tears
+down an interpreter with torch loaded, which took up to 9 s on this project's 2-core
+machine at a load average of 20. Before the fix these took 30 s (the launcher's grace
+period) or 30-300 s (a deadline).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from tests._procs import launch
 
 RAISE_S = 5.0  # the issue's bound: the error comes within 5 s
-END_S = 8.0  # and the job has ended, every process reaped, soon after
+END_S = 15.0  # and the job has ended, every process reaped (interpreter teardown, loaded)
 
 
 def run(tmp_path, mode, die=None, nproc=2):
