@@ -30,7 +30,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from myelin.errors import LauncherLostError, MyelinError, PeerLeftError, PeerLostError
+from myelin.errors import (
+    LauncherLostError,
+    MyelinError,
+    PeerLeftError,
+    PeerLostError,
+    RemoteError,
+)
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.launched import launcher_pid
 
@@ -110,13 +116,14 @@ class Liveness:
         self.exit_after_loss_s = exit_after_loss_s
         self.connect_timeout_s = connect_timeout_s
         self.flight_dir = flight_dir  # a callable giving the directory, read at the end
-        self.lost: MyelinError | None = None  # a PeerLostError, or a LauncherLostError
+        self.lost: MyelinError | None = None  # PeerLostError, RemoteError, LauncherLostError
         self.acknowledged = False  # the main thread has raised the loss
         self.failed: BaseException | None = None  # this rank's own failure, told at goodbye
         self.stopped = False  # this rank was stopped by its launcher: losses are expected
         self.counts = (0, 0)  # this rank's trainer.step and eval_step calls done so far
         self.where: str | None = None  # the step or evaluation the rank is in, if any
         self.launcher = launcher_pid()
+        self._exiting = False  # closing at interpreter exit, where sys.last_value is news
         self._transport = transport
         self._ctx = transport.context
         self._stop = threading.Event()
@@ -134,7 +141,7 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name=f"myelin-heartbeat-{rank}")
         self._thread.daemon = True
         self._thread.start()
-        atexit.register(self.close)  # a script that ends without close() still says goodbye
+        atexit.register(self._close_at_exit)  # a script that ends without close() says goodbye
 
     def _connect(self, store: Any, world_size: int, prefix: str, connect_timeout_s: float) -> None:
         """Bind the heartbeat inbox, publish it, and connect to every other rank's."""
@@ -208,20 +215,28 @@ class Liveness:
             time.sleep(0.05)
         return self.lost
 
+    def _close_at_exit(self) -> None:
+        self._exiting = True
+        self.close()
+
     def close(self) -> None:
-        """Say goodbye (so peers do not take this rank's exit for a death) and stop."""
+        """Say goodbye (so peers do not take this rank's exit for a death, or learn that it
+        ended with an error) and stop."""
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
-        failed = self.failed if self.failed is not None else getattr(sys, "last_value", None)
+        failed = self.failed
+        if failed is None and self._exiting:  # the script itself ended with an error
+            failed = getattr(sys, "last_value", None)
         beat: dict[str, Any] = {"rank": self.rank, "doing": "closed its trainer", "bye": True}
         beat["counts"] = list(self.counts)
         if failed is not None:
             beat["failed"] = f"{type(failed).__name__}: {failed}"[:300]
             beat["stopped"] = self.stopped
+            beat["told"] = self.failed is not None  # the trainer sent its peers an abort
         bye = msgpack.packb(beat)
         for peer in self._peers.values():
             try:
@@ -288,7 +303,10 @@ class Liveness:
                 peer.left = True
                 peer.counts = _counts(beat.get("counts"))
                 failed = beat.get("failed")
-                if isinstance(failed, str) and self.lost is None:
+                if isinstance(failed, str) and self.lost is None and beat.get("told") is True:
+                    self.lost = RemoteError(peer.rank, failed)  # as its abort said
+                    self.flight.note("rank %d failed: %s", peer.rank, failed)
+                elif isinstance(failed, str) and self.lost is None:
                     quiet = beat.get("stopped") is True or self.stopped
                     self._lose(peer, f"it ended with an error: {failed}", quiet=quiet)
 
@@ -354,6 +372,8 @@ def fresh(error: MyelinError) -> MyelinError:
     """A new exception like `error`, to raise again without piling up tracebacks."""
     if isinstance(error, PeerLostError):
         return type(error)(error.rank, error.doing, str(error))
+    if isinstance(error, RemoteError):
+        return RemoteError(error.rank, error.detail)
     return type(error)(str(error))
 
 
@@ -367,7 +387,7 @@ def _counts(value: Any) -> tuple[int, int]:
 def _decode_beat(raw: bytes) -> dict | None:
     """A heartbeat as {rank: int, doing: str[, bye: True]}, or None if it is anything else."""
     try:
-        beat = msgpack.unpackb(raw, raw=False, max_str_len=512, max_map_len=6, strict_map_key=True)
+        beat = msgpack.unpackb(raw, raw=False, max_str_len=512, max_map_len=8, strict_map_key=True)
     except Exception:
         return None
     if not isinstance(beat, dict) or type(beat.get("rank")) is not int:
