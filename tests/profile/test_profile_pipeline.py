@@ -102,7 +102,8 @@ def check_files(job, case: str, ranks: int) -> None:
     summary = json.loads(open(f"{saved}/summary.json").read())
     assert [r["rank"] for r in summary["ranks"]] == list(range(ranks))
     assert summary["ranks"][0]["idle"].keys() == {
-        "bubble", "offload_wait", "collective_wait", "optimizer_host", "host_overhead"
+        "bubble", "latency", "slow_peer", "sync", "offload_wait", "collective_wait",
+        "optimizer_host", "host_overhead"
     }  # fmt: skip
     trace = json.loads(open(f"{saved}/trace.json").read())
     check_trace(trace)
