@@ -171,8 +171,7 @@ class Trainer:
         stage = Stage(
             self.module, world.stage, cfg.stages, world.device, loss_fn, memory.activations, dtype
         )
-        profiling = self._profile is not None
-        self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
+        self.timeline = Timeline.of_profile(self._profile, world.rank, world.stage, world.device)
         self.loop = EventLoop(
             stage,
             world,

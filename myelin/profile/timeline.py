@@ -13,66 +13,37 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from myelin.profile.config import ProfileConfig
+from myelin.profile.spans import IDLE_CAUSES, KINDS, Span
+from myelin.profile.window import Window
+
 __all__ = ["Span", "Timeline", "KINDS", "IDLE_CAUSES"]
-
-# What a span can be; "compute" kinds make a device busy, "wait" kinds are idle time.
-KINDS = {
-    "forward": "compute",
-    "backward": "compute",
-    "optimizer": "compute",
-    "eval": "compute",
-    "send": "comm",
-    "recv": "comm",
-    "wait": "wait",
-    "allreduce": "wait",
-    "offload": "wait",  # copies to and from host memory the device waits for
-}
-# bubble: a wait for a message that the schedule implies; latency, slow_peer and sync:
-# the rest of such waits (profile/attribution.py tells them apart after the run)
-IDLE_CAUSES = (
-    "bubble",
-    "latency",
-    "slow_peer",
-    "sync",
-    "offload_wait",
-    "collective_wait",
-    "optimizer_host",
-    "host_overhead",
-)
-
-
-@dataclass(slots=True)
-class Span:
-    """One timed thing one rank did."""
-
-    kind: str  # a key of KINDS
-    name: str  # "1F3", "1B3", "1SEND_F3", "1WAIT", "1ALLREDUCE", "1OPT"
-    track: str  # "compute", "comm", or "peer N" for messages to and from rank N
-    step: int
-    start: float  # seconds since the timeline's origin
-    end: float
-    microbatch: int | None = None
-    cause: str | None = None  # for waits: one of IDLE_CAUSES
-    peer: int | None = None  # the other rank of a send or of the message a wait ended with
-    nbytes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Timeline:
-    """An append-only list of spans with one clock origin; cheap enough to leave on.
+    """The spans of one rank with one clock origin; cheap enough to leave on.
 
     device: on a CUDA device `op` times operations with CUDA events on the current
     stream, read back off the hot path; elsewhere `op` reads the monotonic clock.
+    window_steps: keep the spans of the last this many steps (and the current one) and
+    fold older ones into running totals (profile/window.py); None keeps every span.
+    warmup_steps: the steps the totals leave out of the steady state, as the report does.
     """
 
-    def __init__(self, rank: int, stage: int, enabled: bool = True, device: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        stage: int,
+        enabled: bool = True,
+        device: Any = None,
+        *,
+        window_steps: int | None = None,
+        warmup_steps: int = 1,
+    ) -> None:
         self.rank = rank
         self.stage = stage
         self.enabled = enabled
@@ -87,6 +58,27 @@ class Timeline:
         self.wall_origin = time.time()  # to line ranks up in one trace
         self._spans: list[Span] = []
         self._busy_s = 0.0
+        on_host = device is None or torch.device(device).type != "cuda"
+        self._window_args = (window_steps, warmup_steps, on_host)
+        self._window = Window(*self._window_args) if window_steps is not None else None
+        self._kept_steps: set[int] = set()
+
+    @classmethod
+    def of_profile(
+        cls, config: ProfileConfig | None, rank: int, stage: int, device: Any
+    ) -> Timeline:
+        """The timeline a trainer keeps: recording with `config`'s window, or (None) only
+        counting busy time."""
+        if config is None:
+            return cls(rank, stage, False, device)
+        return cls(
+            rank,
+            stage,
+            True,
+            device,
+            window_steps=config.window_steps,
+            warmup_steps=config.warmup_steps,
+        )
 
     @property
     def spans(self) -> list[Span]:
@@ -112,6 +104,26 @@ class Timeline:
             return
         track = fields.pop("track", None) or KINDS[kind]
         self._spans.append(Span(kind, name, track, step, start, end, **fields))
+        if self._window is not None:
+            self._fold_old(step)
+
+    def _fold_old(self, step: int) -> None:
+        """Fold the oldest steps' spans into the window's totals while there are too many."""
+        window = self._window
+        window.saw(step)
+        self._kept_steps.add(step)
+        while window.should_fold(len(self._kept_steps)):
+            oldest = min(self._kept_steps)
+            self._kept_steps.discard(oldest)
+            evicted = [s for s in self._spans if s.step == oldest]
+            self._spans = [s for s in self._spans if s.step != oldest]
+            window.fold(evicted, self._spans)
+
+    @property
+    def folded(self) -> dict[str, Any] | None:
+        """The totals of the spans folded out of the window, for a record (None: none)."""
+        self._resolve(wait=True)
+        return self._window.record() if self._window is not None else None
 
     def range(self, name: str) -> Any:
         """A torch.profiler range named `name` while torch's profiler records (a wait, say)."""
@@ -152,8 +164,12 @@ class Timeline:
             self.add(kind, name, start_s, self._ref.elapsed_time(end) / 1e3, step, **fields)
 
     def clear(self) -> None:
+        """Forget every span and the folded totals."""
         self._resolve(wait=True)
-        self._spans.clear()
+        self._spans = []
+        self._kept_steps.clear()
+        if self._window is not None:
+            self._window = Window(*self._window_args)
 
 
 def _torch_range(name: str) -> Any:
