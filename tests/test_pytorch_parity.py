@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import myelin
 from myelin import ConfigError, OffloadConfig, Trainer
 from tests.workers import _reference as reference
 
@@ -169,21 +170,47 @@ def warmup_cosine(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def steps(trainer, data):
+    """Train on `data`, stepping the trainer's LR scheduler after each step as fit does."""
+    losses = []
+    for x, y in data:
+        losses.append(trainer.step(x, y))
+        trainer.lr_scheduler.step()
+    return losses
+
+
 @pytest.mark.parametrize("offload", [None, HOST], ids=["device", "host"])
 def test_resume_with_an_lr_scheduler_continues_the_same_losses(tmp_path, offload):
     data = batches(8)
-    kw = dict(lr_scheduler=warmup_cosine, offload=offload)
-    whole, _, _ = run(mlp(), data, **kw)
+    kw = dict(microbatches=4, lr_schedule=warmup_cosine, offload=offload)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, **kw) as t:
+        whole = steps(t, data)
     want, _, _ = reference.train(mlp(), ADAMW, F.cross_entropy, data, 4, scheduler=warmup_cosine)
     assert whole == want
-    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, **kw) as t:
-        first = [t.step(x, y) for x, y in data[:4]]
+    with Trainer(mlp(), ADAMW, F.cross_entropy, **kw) as t:
+        first = steps(t, data[:4])
         t.save(tmp_path)
-    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, resume=tmp_path, **kw) as t:
+    with Trainer(mlp(), ADAMW, F.cross_entropy, resume=tmp_path, **kw) as t:
         assert t.lr_scheduler.last_epoch == 4
         assert t.optimizer.param_groups[0]["lr"] == t.lr_scheduler.get_last_lr()[0]
-        rest = [t.step(x, y) for x, y in data[4:]]
+        rest = steps(t, data[4:])
     assert first + rest == whole
+
+
+def test_a_scheduler_built_after_resuming_continues_from_the_checkpoint(tmp_path):
+    """The scheduler built on the resumed trainer (trainer.set_lr_schedule, as fit builds
+    its lr_schedule) keeps the checkpoint's learning rate, not its own first one."""
+    data = batches(6)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        t.set_lr_schedule(warmup_cosine)
+        whole = steps(t, data)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        t.set_lr_schedule(warmup_cosine)
+        steps(t, data[:3])
+        t.save(tmp_path)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, resume=tmp_path) as t:
+        t.set_lr_schedule(warmup_cosine)
+        assert steps(t, data[3:]) == whole[3:]
 
 
 # -- 17.9: a DataLoader's short last batch -----------------------------------------------------
@@ -221,22 +248,26 @@ def test_a_last_batch_smaller_than_the_microbatches_is_refused_before_training()
         assert t.steps_done == 2
 
 
-def test_fit_calls_step_callbacks_after_every_step():
+def test_fit_callbacks_hear_of_every_step():
+    """A per-step scheduler steps in on_step_end, whatever log_every is."""
     data = loader(64)
+
+    class EachStep(myelin.Callback):
+        def __init__(self, scheduler):
+            self.scheduler, self.seen = scheduler, []
+
+        def on_step_end(self, trainer, step, loss):
+            self.scheduler.step()
+            self.seen.append((step, loss))
+
     with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
-        sched = warmup_cosine(t.optimizer)
-        seen = []
-
-        def each_step(trainer, step, loss):
-            sched.step()
-            seen.append((step, loss))
-
-        history = t.fit(data, log_every=4, progress=False, step_callbacks=[each_step])
+        each = EachStep(warmup_cosine(t.optimizer))
+        history = t.fit(data, log_every=4, progress=False, callbacks=[each])
     want, _, _ = reference.train(
         mlp(), ADAMW, F.cross_entropy, list(data), 4, scheduler=warmup_cosine
     )
-    assert [s for s, _ in seen] == list(range(1, 9))
-    assert [loss for _, loss in seen] == want
+    assert [s for s, _ in each.seen] == list(range(1, 9))
+    assert [loss for _, loss in each.seen] == want
     assert [h["step"] for h in history] == [4, 8]
 
 

@@ -85,7 +85,7 @@ CHAINS = {
         build=mlp,
         optimizer=decay_by_name,
         loss_fn=F.cross_entropy,
-        lr_scheduler=warmup_cosine,
+        lr_schedule=warmup_cosine,
         offload=myelin.OffloadConfig(optimizer=True, bucket_bytes=1024),
     ),
     "B": dict(
@@ -111,9 +111,21 @@ def trainer(chain, **kw):
     return myelin.Trainer(model, microbatches=4, timeout=60, **spec, **kw)
 
 
+def train(t, chain, steps):
+    """`steps` steps on the chain's batches, the LR scheduler (if any) stepped after each."""
+    losses = []
+    for _ in range(steps):
+        losses.append(t.step(*batch(chain, t.steps_done, t.replica)))
+        if t.lr_scheduler is not None:
+            t.lr_scheduler.step()
+    return losses
+
+
 def digest(t):
-    t = t.detach().cpu().contiguous()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    """SHA-256 of a tensor's dtype, shape and bytes."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    head = f"{t.dtype}{list(t.shape)}".encode()
+    return hashlib.sha256(head + t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def optimizer_state(t):
@@ -144,11 +156,9 @@ def save(ckpt):
     out = {}
     for chain in CHAINS:
         with trainer(chain, stages=2) as t:
-            for _ in range(3):
-                t.step(*batch(chain, t.steps_done))
+            train(t, chain, 3)
             t.save(Path(ckpt) / chain, extra={"position": 3, "rank": t.rank})
-            out[chain] = {"saved": record(t)}
-            out[chain]["next"] = [t.step(*batch(chain, t.steps_done)) for _ in range(3)]
+            out[chain] = {"saved": record(t), "next": train(t, chain, 3)}
     return out
 
 
@@ -180,7 +190,7 @@ def resume(ckpt):
                     "opened": sorted(set(opened)),
                     "steps_done": t.steps_done,
                     "extra": t.resumed_extra,
-                    "next": [t.step(*batch(chain, t.steps_done)) for _ in range(3)],
+                    "next": train(t, chain, 3),
                 }
         except Exception as exc:
             out[chain] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
