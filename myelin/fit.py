@@ -133,9 +133,8 @@ def fit(
     total = steps if steps is not None else _even_steps(trainer, loader, epochs or 1, uneven)
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
-    host_device = trainer.world.device.type != "cuda"
     waits = trainer.world.waits
-    meter = Meter(trainer.timeline, host_device, trainer.world.layout.data_parallel, waits)
+    meter = Meter(trainer.timeline, trainer.world.layout.data_parallel, waits)
     history: list[dict[str, Any]] = []
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)

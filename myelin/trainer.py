@@ -213,7 +213,7 @@ class Trainer:
         self._failures.budget = self.budget
         if world.layout.world_size > 1:
             self.transport, self.liveness = connect_peers(
-                world, cfg.stages, cfg.transport, self.flight, self._flights
+                world, cfg.stages, cfg.transport, self.flight, lambda: self.flight_dir
             )
             self._failures.transport, self._failures.liveness = self.transport, self.liveness
             me = f"rank {world.rank} ({world.layout.describe(world.rank)})"
@@ -269,9 +269,6 @@ class Trainer:
             for group, lr in zip(self.optimizer.param_groups, resumed_lrs, strict=True):
                 group["lr"] = lr
         return self.lr_scheduler
-
-    def _flights(self) -> Path:
-        return self.flight_dir
 
     @property
     def flight_dir(self) -> Path:
@@ -433,6 +430,8 @@ class Trainer:
             raise self._failures.fail(exc, "close()") from None
         finally:
             self._failures.release_sigterm()
+            if getattr(self, "streams", None) is not None:
+                self.streams.close()  # the layers' pre-hooks, on the user's modules
             if self.liveness is not None:
                 self.liveness.close()
             if self.transport is not None:

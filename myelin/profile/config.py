@@ -22,8 +22,8 @@ class ProfileConfig:
     print_summary: print the table on rank 0 at close.
     window_steps: keep every span of the last this many steps; older ones are folded into
         running totals, so the figures cover the whole run while memory stays flat (about
-        4 KiB a step of a 2-stage GPT with 8 microbatches). The trace and the picture show
-        the window. None keeps every span.
+        4 KiB a step in `myelin train`'s default run: 2 stages, 4 microbatches). The trace
+        and the picture show the window. None keeps every span.
     """
 
     out_dir: str | None = None

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from myelin.profile.accounting import seconds
 from myelin.profile.config import ProfileConfig
 from myelin.profile.spans import IDLE_CAUSES, KINDS, Span
 from myelin.profile.window import Window
@@ -58,10 +59,11 @@ class Timeline:
         self.wall_origin = time.time()  # to line ranks up in one trace
         self._spans: list[Span] = []
         self._busy_s = 0.0
-        on_host = device is None or torch.device(device).type != "cuda"
-        self._window_args = (window_steps, warmup_steps, on_host)
+        self.on_host = device is None or torch.device(device).type != "cuda"
+        self._window_args = (window_steps, warmup_steps, self.on_host)
         self._window = Window(*self._window_args) if window_steps is not None else None
-        self._kept_steps: set[int] = set()
+        self._by_step: dict[int, list[Span]] = {}  # with a window: the kept spans, by step
+        self._starts: dict[int, float] = {}  # each kept step's earliest start
 
     @classmethod
     def of_profile(
@@ -82,8 +84,11 @@ class Timeline:
 
     @property
     def spans(self) -> list[Span]:
-        """Every span so far; reading them waits for the device's pending timings."""
+        """Every span kept (with a window: of its steps, in the order they ended); reading
+        them waits for the device's pending timings."""
         self._resolve(wait=True)
+        if self._window is not None:
+            return sorted((s for kept in self._by_step.values() for s in kept), key=_end)
         return self._spans
 
     @property
@@ -103,21 +108,44 @@ class Timeline:
         if not self.enabled:
             return
         track = fields.pop("track", None) or KINDS[kind]
-        self._spans.append(Span(kind, name, track, step, start, end, **fields))
-        if self._window is not None:
-            self._fold_old(step)
+        span = Span(kind, name, track, step, start, end, **fields)
+        if self._window is None:
+            self._spans.append(span)
+        else:
+            self._keep(span)
 
-    def _fold_old(self, step: int) -> None:
-        """Fold the oldest steps' spans into the window's totals while there are too many."""
-        window = self._window
+    def _keep(self, span: Span) -> None:
+        """Keep `span` in the window, and fold the oldest steps out while there are too many."""
+        window, step = self._window, span.step
         window.saw(step)
-        self._kept_steps.add(step)
-        while window.should_fold(len(self._kept_steps)):
-            oldest = min(self._kept_steps)
-            self._kept_steps.discard(oldest)
-            evicted = [s for s in self._spans if s.step == oldest]
-            self._spans = [s for s in self._spans if s.step != oldest]
-            window.fold(evicted, self._spans)
+        self._by_step.setdefault(step, []).append(span)
+        self._starts[step] = min(self._starts.get(step, span.start), span.start)
+        while window.should_fold(len(self._by_step)):
+            oldest = min(self._by_step)
+            evicted = self._by_step.pop(oldest)
+            del self._starts[oldest]
+            end = max(s.end for s in evicted)
+            nearby = [  # kept spans that began before the evicted step's last one ended
+                s
+                for k, kept in self._by_step.items()
+                if self._starts[k] < end
+                for s in kept
+                if s.start < end
+            ]
+            window.fold(evicted, nearby)
+
+    def compute_s(self, until: float) -> float:
+        """Compute seconds from the first record to `until` (not before the last fold), as
+        the report counts them (on a host device, sends and receives inside operations
+        are not compute); fit's meter takes differences of it."""
+        self._resolve(wait=True)
+        folded = self._window.whole if self._window is not None else None
+        start = self._window.until if folded is not None else None
+        spans = self.spans if start is None else [s for s in self.spans if s.end > start]
+        if start is None:
+            start = min((s.start for s in spans), default=until)
+        busy = seconds(spans, start, max(start, until), self.on_host)["busy"]
+        return busy + (folded["busy"] if folded is not None else 0.0)
 
     @property
     def folded(self) -> dict[str, Any] | None:
@@ -167,9 +195,14 @@ class Timeline:
         """Forget every span and the folded totals."""
         self._resolve(wait=True)
         self._spans = []
-        self._kept_steps.clear()
+        self._by_step.clear()
+        self._starts.clear()
         if self._window is not None:
             self._window = Window(*self._window_args)
+
+
+def _end(span: Span) -> float:
+    return span.end
 
 
 def _torch_range(name: str) -> Any:

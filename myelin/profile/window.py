@@ -45,11 +45,12 @@ class Window:
         steady state's first step already seen (so its start is known when folding)."""
         return steps_kept > self.window_steps + 1 and len(self.first_steps) > self.warmup_steps
 
-    def fold(self, evicted: Sequence[Span], kept: Sequence[Span]) -> None:
-        """Add the time up to the end of `evicted` (spans of the oldest step) to the totals."""
-        spans = [*evicted, *kept]
+    def fold(self, evicted: Sequence[Span], nearby: Sequence[Span]) -> None:
+        """Add the time up to the end of `evicted` (spans of the oldest step) to the totals;
+        `nearby`: the kept spans that began before that end."""
         if not evicted:
             return
+        spans = [*evicted, *nearby]
         if self.until is None:
             self.first_start = self.until = min(s.start for s in spans)
         end = max(self.until, max(s.end for s in evicted))
@@ -63,7 +64,8 @@ class Window:
         part = seconds(spans, self.until, end, self.host_device)
         self.whole = part if self.whole is None else add_seconds(self.whole, part)
         if self.steady_start is not None and self.steady_start < end:
-            part = seconds(spans, max(self.until, self.steady_start), end, self.host_device)
+            if self.steady_start > self.until:  # the steady state begins inside this part
+                part = seconds(spans, self.steady_start, end, self.host_device)
             self.steady = part if self.steady is None else add_seconds(self.steady, part)
         self.until = end
 

@@ -90,3 +90,15 @@ def test_a_long_profiled_run_stays_bounded():
 def test_window_steps_is_checked():
     with pytest.raises(myelin.ConfigError, match="window_steps=0"):
         ProfileConfig(window_steps=0)
+
+
+def test_compute_seconds_up_to_a_time_are_those_of_every_span():
+    """What fit's meter reads (idle_frac): compute seconds from the first record on, the
+    same from a window as from every span, at any time after the last fold."""
+    whole = Timeline(0, 0, device="cpu")
+    kept = Timeline(0, 0, device="cpu", window_steps=2)
+    for t in (whole, kept):
+        synthetic(t, 30)
+    end = max(s.end for s in whole.spans)
+    for until in (kept.folded["until"], (kept.folded["until"] + end) / 2, end):
+        assert kept.compute_s(until) == pytest.approx(whole.compute_s(until), rel=1e-9), until
