@@ -9,8 +9,10 @@ Layout of a checkpoint directory `path`:
 
 Every file is written to a temporary name, fsynced and renamed, and `latest` moves only
 after the manifest is down, so a rank killed mid-save leaves the previous version
-loadable. The manifest holds each shard's SHA-256 and what each stage holds (parameter
-names and shapes), so a corrupt shard or a model that does not match is named on load.
+loadable. The manifest holds each shard's SHA-256 and the layers each stage held. Shards
+hold state by layer (reshard.py), so a checkpoint loads into any stages x data_parallel
+layout, each rank reading only the shards of its own layers; a corrupt shard or a model
+that does not match is named on load.
 Shards hold tensors and plain data only: `torch.load(weights_only=True)` reads them.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -27,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from myelin import reshard
 from myelin.atomic import write_atomic
-from myelin.errors import MyelinError
+from myelin.errors import ConfigError, MyelinError
 from myelin.offload.optimizer import Updater
 from myelin.runtime.group import World
 
@@ -37,13 +41,16 @@ __all__ = [
     "CheckpointError",
     "save",
     "load",
+    "check_resume",
     "verify",
     "latest_version",
     "state_layout",
     "gather",
 ]
 
-FORMAT = 1
+log = logging.getLogger(__name__)
+
+FORMAT = 2  # 2: state by layer (reshard.py), any layout loads it; 1: by stage, same layout
 _KEEP = 2  # complete versions kept; older ones are removed after a successful save
 
 
@@ -57,6 +64,10 @@ class Checkpointable(Protocol):
     world: World  # the rank, its stage and replica, the layout
     module: nn.Module  # this rank's stage
     updater: Updater | None  # its optimizer state (None: nothing to train)
+    streams: Any  # its layers' random streams (runtime/rng.py)
+    lr_scheduler: Any  # None, or the scheduler over this stage's optimizer
+    resumed_scheduler_state: Any  # set on load: the saved scheduler's, for one built later
+    stage_layers: list[tuple[int, int] | None]  # the layers each stage holds
     steps_done: int  # training steps
     seq: int  # training and evaluation steps: the step number the next messages carry
 
@@ -77,8 +88,7 @@ def save(
         "replica": world.replica,
         "steps_done": trainer.steps_done,
         "seq": trainer.seq,
-        "model": trainer.module.state_dict(),
-        "optimizer": trainer.updater.state_dict() if trainer.updater is not None else None,
+        **reshard.capture(trainer.module, trainer.updater, trainer.streams, trainer.lr_scheduler),
         "rng": _rng_state(),
         "extra": extra or {},
     }
@@ -91,6 +101,7 @@ def save(
             "steps_done": trainer.steps_done,
             "stages": world.layout.stages,
             "data_parallel": world.layout.data_parallel,
+            "layers": [list(r) if r is not None else None for r in trainer.stage_layers],
             "shards": {},
         }
         for r in range(world.layout.world_size):
@@ -106,24 +117,110 @@ def save(
     return vdir
 
 
+def check_resume(resume: Any) -> None:
+    """`Trainer(resume=...)`: a checkpoint to resume from must exist before any work starts."""
+    if resume is None:
+        return
+    if not isinstance(resume, (str, os.PathLike)) or not resume:
+        raise ConfigError(f"resume={resume!r} must be a checkpoint directory")
+    try:
+        latest_version(resume)
+    except CheckpointError as exc:
+        raise ConfigError(f"resume={os.fspath(resume)!r}: {exc}") from None
+
+
 def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
-    """Restore this rank's stage, optimizer, RNG and step counters; returns the extra data."""
+    """Restore this rank's stage, optimizer, random streams, scheduler, RNG and step
+    counters, from the shards that hold its layers in any layout; returns the extra data
+    of the shard that held this stage's first layer (in this replica, or replica 0)."""
     vdir = latest_version(path)
     manifest = _read_manifest(vdir)
+    if manifest["format"] == 1:
+        return _load_by_stage(trainer, vdir, manifest)
     world = trainer.world
-    if manifest["stages"] != world.layout.stages:
-        raise CheckpointError(
-            f"{vdir} was saved with stages={manifest['stages']}, this trainer has "
-            f"stages={world.layout.stages}"
+    ranks, own_replica = _shards_to_read(trainer, vdir, manifest)
+    shards = [_read_shard(vdir, manifest, r) for r in ranks]
+    where = f"{vdir} (rank {world.rank}, stage {world.stage}, replica {world.replica})"
+    try:
+        unmoved = reshard.restore(
+            trainer.module,
+            trainer.updater,
+            trainer.streams,
+            shards,
+            stream_shards=shards if own_replica else None,
+            steps=shards[0]["steps_done"],
+            where=where,
         )
-    rank = world.rank if str(world.rank) in manifest["shards"] else world.stage
+        scheduler = reshard.scheduler_state(shards[0], trainer.updater, trainer.module)
+    except reshard.ReshardError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not own_replica:
+        unmoved.append(
+            f"{where}: saved with data_parallel={manifest['data_parallel']}, so replica "
+            f"{world.replica} takes replica 0's extra data and process RNG state"
+        )
+    for line in unmoved:
+        log.warning("%s", line)
+    trainer.resumed_scheduler_state = scheduler
+    if scheduler is not None and trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(scheduler)
+    first = shards[0]
+    _set_rng_state(first["rng"])
+    trainer.steps_done = first["steps_done"]
+    trainer.seq = first["seq"]
+    return first["extra"]
+
+
+def _shards_to_read(
+    trainer: Checkpointable, vdir: Path, manifest: dict[str, Any]
+) -> tuple[list[int], bool]:
+    """The ranks whose shards hold this stage's layers (in this replica if the checkpoint
+    had it, else replica 0), first layer first; and whether the replica is this one's."""
+    world = trainer.world
+    old_stages, old_dp = manifest["stages"], manifest["data_parallel"]
+    own = world.replica < old_dp
+    replica = world.replica if own else 0
+    saved = manifest.get("layers")
+    mine = trainer.stage_layers[world.stage]
+    if mine is None or saved is None or None in saved:
+        if old_stages != world.layout.stages:
+            raise CheckpointError(
+                f"{vdir} was saved with stages={old_stages}, this trainer has "
+                f"stages={world.layout.stages}, and only a model split into layers (a "
+                f"Sequential, a list of modules, pipeline_layers()) moves between layouts"
+            )
+        stages = [world.stage]
+    else:
+        total = trainer.stage_layers[-1][1]
+        if saved[-1][1] != total:
+            raise CheckpointError(
+                f"{vdir} was saved from a model of {saved[-1][1]} layers, this one has {total}"
+            )
+        stages = [s for s, (a, b) in enumerate(saved) if a < mine[1] and mine[0] < b]
+    return [replica * old_stages + s for s in stages], own
+
+
+def _read_shard(vdir: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
     entry = manifest["shards"].get(str(rank))
     if entry is None:
         raise CheckpointError(f"{vdir}/manifest.json lists no shard for rank {rank}")
     shard_file = vdir / entry["file"]
     _check_shard(shard_file, entry["sha256"])
-    shard = torch.load(shard_file, map_location="cpu", weights_only=True)
-    _check_model(trainer, shard["model"], shard_file)
+    return torch.load(shard_file, map_location="cpu", weights_only=True)
+
+
+def _load_by_stage(trainer: Checkpointable, vdir: Path, manifest: dict[str, Any]) -> dict:
+    """A checkpoint of format 1 (by stage): loads only into the layout that wrote it."""
+    world = trainer.world
+    if manifest["stages"] != world.layout.stages:
+        raise CheckpointError(
+            f"{vdir} was saved with stages={manifest['stages']} by an earlier myelin, whose "
+            f"checkpoints load only with the same stages; this trainer has "
+            f"stages={world.layout.stages}"
+        )
+    rank = world.rank if str(world.rank) in manifest["shards"] else world.stage
+    shard = _read_shard(vdir, manifest, rank)
+    _check_model(trainer, shard["model"], vdir / f"rank{rank}.pt")
     trainer.module.load_state_dict(shard["model"])
     if trainer.updater is not None:
         trainer.updater.sync_from_params()
@@ -132,6 +229,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
     _set_rng_state(shard["rng"])
     trainer.steps_done = shard["steps_done"]
     trainer.seq = shard["seq"]
+    trainer.resumed_scheduler_state = shard["extra"].get("scheduler")  # fit kept it there
     return shard["extra"]
 
 
@@ -192,14 +290,17 @@ def state_layout(model: Any, stage_modules: list[torch.nn.Module]) -> list[list[
 
 def gather(trainer: Checkpointable, layout: list[list[tuple]]) -> dict[str, torch.Tensor] | None:
     """The whole model's state_dict on rank 0 (None elsewhere), sent tensor by tensor from
-    replica 0's stages with torch.distributed point-to-point; nothing is pickled."""
-    mine, world = trainer.module.state_dict(), trainer.world
+    replica 0's stages with torch.distributed point-to-point; nothing is pickled. Each
+    stage gives its true weights: the fp32 masters where they exist (half precision,
+    optimizer offload), everything in the dtype the model had when it was given."""
+    world = trainer.world
     if world.replica != 0 and world.rank != 0:
         return None
+    mine = reshard.export(trainer.module, trainer.updater)
     if world.rank != 0:
-        for key, names, _, _ in layout[world.stage]:
+        for key, names, _, dtype in layout[world.stage]:
             if names:
-                dist.send(mine[key].detach().cpu().contiguous(), dst=0)
+                dist.send(mine[key].detach().to("cpu", dtype).contiguous(), dst=0)
         return None
     out: dict[str, torch.Tensor] = {}
     for stage, entries in enumerate(layout):
@@ -208,7 +309,7 @@ def gather(trainer: Checkpointable, layout: list[list[tuple]]) -> dict[str, torc
             if not names:
                 continue  # a tied parameter, already taken from the stage that holds it first
             if src == 0:
-                t = mine[key].detach().cpu().clone()
+                t = mine[key].detach().to("cpu", dtype, copy=True)
             else:
                 t = torch.empty(shape, dtype=dtype)
                 dist.recv(t, src=src)
@@ -244,9 +345,9 @@ def _read_manifest(vdir: Path) -> dict[str, Any]:
         manifest = json.loads((vdir / "manifest.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{vdir}/manifest.json is unreadable: {exc}") from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in (1, FORMAT):
         raise CheckpointError(
-            f"{vdir}/manifest.json has format {manifest.get('format')!r}, expected {FORMAT}"
+            f"{vdir}/manifest.json has format {manifest.get('format')!r}, expected {FORMAT} (or 1)"
         )
     return manifest
 

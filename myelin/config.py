@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from myelin.errors import ConfigError
+from myelin.runtime.flight import default_dir
 from myelin.runtime.schedule import SCHEDULES
 from myelin.runtime.transport_config import TransportConfig
 
-__all__ = ["PipelineConfig"]
+__all__ = ["PipelineConfig", "check_callables", "check_max_grad_norm", "flight_dir_of"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -17,7 +22,8 @@ class PipelineConfig:
     """How the model is split and scheduled; every field is checked when built.
 
     stages: pipeline stages (processes per replica).
-    microbatches: microbatches per step; the batch must split into them evenly.
+    microbatches: microbatches per step; a batch splits into them along dim 0, evenly or
+        (a short last batch) into sizes that differ by one row at most.
     data_parallel: replicas of the whole pipeline; gradients are averaged over them.
     schedule: "message-driven" (run what is ready), or the fixed "gpipe" / "1f1b".
     max_inflight: microbatches stage 0 lets into the pipeline at once (default: stages).
@@ -71,3 +77,39 @@ class PipelineConfig:
 def _positive_int(name: str, value: Any) -> None:
     if type(value) is not int or value < 1:
         raise ConfigError(f"{name}={value!r} must be an int >= 1")
+
+
+def check_callables(optimizer: Any, loss_fn: Any, lr_schedule: Any = None) -> None:
+    """The optimizer is a factory (each stage builds its own), the loss and the LR
+    schedule functions."""
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise ConfigError(
+            f"optimizer={optimizer!r} must be a factory called with each stage's "
+            f"parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an "
+            f"optimizer instance"
+        )
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise ConfigError(
+            f"lr_schedule={lr_schedule!r} must be a function of the optimizer that returns "
+            f"an LR scheduler"
+        )
+
+
+def check_max_grad_norm(value: Any) -> float | None:
+    """max_grad_norm: None (no clipping) or a number > 0, as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"max_grad_norm={value!r} must be a number > 0 (or None: no clipping)")
+    return float(value)
+
+
+def flight_dir_of(run_dir: Any) -> Path:
+    """Where flight records go: run_dir/flight, else $MYELIN_RUN_DIR/flight or ./myelin-flight."""
+    if run_dir is None:
+        return default_dir()
+    if not isinstance(run_dir, (str, os.PathLike)) or not run_dir:
+        raise ConfigError(f"run_dir={run_dir!r} must be a directory path")
+    return Path(run_dir) / "flight"

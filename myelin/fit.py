@@ -42,8 +42,10 @@ class Trainable(Protocol):
     """What the loop needs of a trainer (`myelin.Trainer` is one)."""
 
     world: World
+    config: Any  # microbatches
     timeline: Timeline
     optimizer: torch.optim.Optimizer | None
+    lr_scheduler: Any
     steps_done: int
     resumed_extra: dict[str, Any] | None
 
@@ -56,9 +58,12 @@ class Trainable(Protocol):
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None: ...
 
+    def set_lr_schedule(self, lr_schedule: LRSchedule) -> Any: ...
+
 
 def evaluate(trainer: Trainable, loader: Iterable, max_batches: int | None = None) -> float:
     """Mean loss over the loader's batches (or the first `max_batches`), no training."""
+    _check_last_batch(loader, trainer.config.microbatches, "evaluate")
     losses = [trainer.eval_step(*_pair(b)) for b in itertools.islice(loader, max_batches)]
     if not losses:
         raise ConfigError("evaluate: the loader gave no batches")
@@ -92,8 +97,9 @@ def fit(
     lr_schedule: called with this stage's optimizer, returns a torch LR scheduler stepped
         after every step. One with a `progress` attribute is told, before each step(),
         the share of the run done: max(steps share, time share), so a run that time cuts
-        short still anneals. A trainer built with resume= continues the scheduler from
-        the checkpoint (its extra["scheduler"]).
+        short still anneals. It is the trainer's (`trainer.set_lr_schedule`), so a trainer
+        built with resume= continues it from the checkpoint. Or give it to the Trainer
+        (`Trainer(lr_schedule=...)`), and fit steps that one.
     eval_loader, eval_every, eval_batches: validate (mean `eval_step` loss over the first
         `eval_batches` of `eval_loader`, iterated afresh each time: a fixed validation set
         if it yields the same batches) every `eval_every` steps and at the end; with
@@ -101,8 +107,8 @@ def fit(
         the run shows how far it got from where it started.
     log_every: a metrics row every this many steps, at every validation and at the end;
         each goes to the history and to every callback's on_log.
-    checkpoint_dir, checkpoint_every: `trainer.save` every this many steps and at the end,
-        with the scheduler's state as extra["scheduler"].
+    checkpoint_dir, checkpoint_every: `trainer.save` every this many steps and at the end
+        (the scheduler's state is in every checkpoint).
     callbacks: `myelin.Callback`s, or functions f(trainer, metrics) called on each row.
     progress: a progress bar on rank 0.
     uneven: when the ranks' loaders differ in length (data-parallel replicas reading
@@ -117,6 +123,9 @@ def fit(
     _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
     if uneven not in _UNEVEN:
         raise ConfigError(f"fit: uneven={uneven!r} must be one of {', '.join(_UNEVEN)}")
+    _check_last_batch(loader, trainer.config.microbatches, "fit")
+    if eval_loader is not None:
+        _check_last_batch(eval_loader, trainer.config.microbatches, "fit: eval_loader")
     hooks = [as_callback(c) for c in callbacks]
     if progress and trainer.rank == 0:
         hooks.append(ProgressBar())
@@ -124,9 +133,8 @@ def fit(
     total = steps if steps is not None else _even_steps(trainer, loader, epochs or 1, uneven)
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
-    host_device = trainer.world.device.type != "cuda"
     waits = trainer.world.waits
-    meter = Meter(trainer.timeline, host_device, trainer.world.layout.data_parallel, waits)
+    meter = Meter(trainer.timeline, trainer.world.layout.data_parallel, waits)
     history: list[dict[str, Any]] = []
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)
@@ -161,7 +169,7 @@ def fit(
             if checkpoint_dir is not None and (
                 last or (checkpoint_every and step % checkpoint_every == 0)
             ):
-                _checkpoint(trainer, checkpoint_dir, scheduler, hooks)
+                _checkpoint(trainer, checkpoint_dir, hooks)
             if last:
                 break
     finally:
@@ -171,19 +179,12 @@ def fit(
 
 
 def _scheduler(trainer: Trainable, lr_schedule: LRSchedule | None) -> Any:
-    """The LR scheduler over this stage's optimizer (None: no schedule or nothing to train),
-    continued from the checkpoint the trainer resumed from."""
-    if lr_schedule is None or trainer.optimizer is None:
-        return None
-    scheduler = lr_schedule(trainer.optimizer)
-    resumed = trainer.resumed_extra or {}
-    if "scheduler" in resumed:
-        scheduler.load_state_dict(resumed["scheduler"])
-        # building the scheduler reset the optimizer's lr; put back the resumed one
-        groups = trainer.optimizer.param_groups
-        for group, lr in zip(groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
-    return scheduler
+    """The LR scheduler over this stage's optimizer: `lr_schedule`'s, which the trainer
+    builds (continuing the checkpoint it resumed from), else the trainer's own
+    (Trainer(lr_schedule=...)). None: no schedule, or nothing to train on this stage."""
+    if lr_schedule is None:
+        return trainer.lr_scheduler
+    return trainer.set_lr_schedule(lr_schedule)
 
 
 def _advance(scheduler: Any, progress: float) -> None:
@@ -205,9 +206,8 @@ def _time_used(start: float, max_seconds: float | None, waits: Any = None) -> fl
     return all_reduce([(time.monotonic() - start) / max_seconds], op="max", waits=waits)[0]
 
 
-def _checkpoint(trainer: Trainable, path: Any, scheduler: Any, hooks: list[Callback]) -> None:
-    extra = {"scheduler": scheduler.state_dict()} if scheduler is not None else {}
-    trainer.save(path, extra=extra)
+def _checkpoint(trainer: Trainable, path: Any, hooks: list[Callback]) -> None:
+    trainer.save(path)  # the scheduler's state goes with its stage's shard
     for hook in hooks:
         hook.on_checkpoint(trainer, os.fspath(path), trainer.steps_done)
 
@@ -244,6 +244,26 @@ def _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule) -> Non
         raise ConfigError(
             f"fit: lr_schedule={lr_schedule!r} must be a function of the optimizer that "
             f"returns an LR scheduler"
+        )
+
+
+def _check_last_batch(loader: Any, microbatches: int, where: str) -> None:
+    """A DataLoader whose last batch has fewer rows than there are microbatches fails
+    before the first step, not in the middle of the run. (A short last batch with rows
+    enough splits unevenly, each microbatch counting by its rows.)"""
+    size, sampler = getattr(loader, "batch_size", None), getattr(loader, "sampler", None)
+    if not isinstance(size, int) or getattr(loader, "drop_last", True) or sampler is None:
+        return
+    try:
+        last = len(sampler) % size
+    except TypeError:  # a sampler of unknown length
+        return
+    if 0 < last < microbatches:
+        raise ConfigError(
+            f"{where}: the loader's last batch has {last} rows ({len(sampler)} samples in "
+            f"batches of {size}), fewer than microbatches={microbatches}; pass "
+            f"DataLoader(..., drop_last=True), or a batch size that leaves at least "
+            f"{microbatches} rows for the last batch"
         )
 
 

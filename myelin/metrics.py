@@ -1,6 +1,6 @@
 """The metrics rows of a training run, the same numbers on every rank.
 
-    meter = Meter(trainer.timeline, host_device=True, replicas=1)
+    meter = Meter(trainer.timeline, replicas=1)
     meter.add(loss, tokens, seconds)          # after each trainer.step
     row = meter.row(step, lr, val_loss)       # every rank at once: a collective
 
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from myelin.profile.accounting import account
 from myelin.profile.timeline import Timeline
 
 __all__ = ["Meter", "all_reduce"]
@@ -30,19 +29,18 @@ __all__ = ["Meter", "all_reduce"]
 class Meter:
     """Loss, throughput and idle share since the last row."""
 
-    def __init__(
-        self, timeline: Timeline, host_device: bool, replicas: int, waits: Any = None
-    ) -> None:
+    def __init__(self, timeline: Timeline, replicas: int, waits: Any = None) -> None:
         self.timeline = timeline
         self.waits = waits  # bounded waits for the all-reduce of each row (runtime/bounded.py)
-        self.host_device = host_device  # on the CPU, sends inside an operation are not compute
         self.replicas = replicas  # every replica trains on as many tokens as this one
         self._reset()
 
     def _reset(self) -> None:
         self.since = self.timeline.now()
-        self.first_span = len(self.timeline.spans) if self.timeline.enabled else 0
-        self.busy_since = self.timeline.busy_s
+        if self.timeline.enabled:  # by time: a bounded timeline folds old spans away
+            self.busy_since = self.timeline.compute_s(self.since)
+        else:
+            self.busy_since = self.timeline.busy_s
         self.losses: list[float] = []
         self.tokens = 0
         self.step_seconds = 0.0
@@ -58,9 +56,8 @@ class Meter:
         now = self.timeline.now()
         if not self.timeline.enabled:
             return self.timeline.busy_s - self.busy_since, max(now - self.since, 0.0)
-        spans = self.timeline.spans[self.first_span :]
-        use = account(spans, self.since, now, host_device=self.host_device)
-        return use["busy_frac"] * use["wall_s"], use["wall_s"]
+        busy = self.timeline.compute_s(now) - self.busy_since
+        return busy, max(now - self.since, 0.0)
 
     def row(self, step: int, lr: float | None, val_loss: float | None) -> dict[str, Any]:
         """The row for `step`, and a fresh window; every rank must call it (idle_frac is

@@ -13,7 +13,7 @@ import torch
 
 from myelin.errors import ConfigError
 
-__all__ = ["split_batch"]
+__all__ = ["split_batch", "uneven_rows"]
 
 
 def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:
@@ -40,13 +40,28 @@ def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:
     for i, t in enumerate(tensors):
         if t.shape[0] != size:
             raise ConfigError(f"{what}[{i}] has batch size {t.shape[0]}, but {what}[0] has {size}")
-    if size == 0 or size % microbatches:
+    if size < microbatches:
         raise ConfigError(
-            f"{what}: a batch of {size} does not split into microbatches={microbatches}; "
-            f"use a batch size divisible by {microbatches}, or pass a list of {microbatches} "
-            f"microbatches"
+            f"{what}: a batch of {size} rows cannot be split into microbatches={microbatches} "
+            f"(each needs a row); with a DataLoader whose last batch is short, pass "
+            f"drop_last=True, or pass a list of {microbatches} microbatches"
         )
-    chunks = [t.split(size // microbatches) for t in tensors]
+    chunks = [t.tensor_split(microbatches) for t in tensors]  # sizes differ by one at most
     if isinstance(batch, tuple):
         return [tuple(c[i] for c in chunks) for i in range(microbatches)]
     return list(chunks[0])
+
+
+def uneven_rows(batch: Any, microbatches: int) -> list[int] | None:
+    """The row count of each microbatch when `split_batch` cuts `batch` unevenly (a short
+    last batch), so each microbatch's loss counts by its rows; None when it splits evenly
+    or is a list of microbatches already (each counts alike)."""
+    if batch is None or isinstance(batch, list):
+        return None
+    first = batch[0] if isinstance(batch, tuple) else batch
+    size = first.shape[0]
+    if size % microbatches == 0:
+        return None
+    return [
+        size // microbatches + (1 if i < size % microbatches else 0) for i in range(microbatches)
+    ]

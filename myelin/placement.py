@@ -22,7 +22,14 @@ from myelin.init import is_meta, materialize
 from myelin.partition import StageModule, cross_stage_ties, layers_of, stage_module
 from myelin.runtime.group import World, new_groups
 
-__all__ = ["Tied", "check_every_stage_trains", "place_stage", "stage_modules"]
+__all__ = [
+    "Tied",
+    "check_every_stage_trains",
+    "layer_modules",
+    "parameter_names",
+    "place_stage",
+    "stage_modules",
+]
 
 Tied = tuple[Any, list[nn.Parameter]]  # (process group, the parameters several stages hold)
 
@@ -80,3 +87,22 @@ def _layers_or_whole(model: Any) -> list[nn.Module]:
         return layers_of(model)
     except PartitionError:
         return [model]
+
+
+def parameter_names(model: Any, config: PipelineConfig, stage: int) -> dict[str, str]:
+    """The stage's parameter names (as its module names them) -> their names in the whole
+    model, as `model.named_parameters()` gives them (a tied parameter: its first name)."""
+    whole = model if isinstance(model, nn.Module) else StageModule(list(model))
+    full = {}
+    for name, p in whole.named_parameters():
+        full.setdefault(id(p), name)
+    module = stage_module(model, config.stages, stage, config.partition)
+    return {n: full.get(id(p), n) for n, p in module.named_parameters()}
+
+
+def layer_modules(module: nn.Module) -> list[tuple[int, nn.Module]] | None:
+    """(index in the whole model, layer) of each layer a placed stage runs in order; None
+    for a one-stage model that runs its own forward."""
+    if not isinstance(module, StageModule):
+        return None
+    return [(module.first_layer + i, layer) for i, layer in enumerate(module)]

@@ -23,22 +23,34 @@ from torch import nn
 
 from myelin import checkpoint
 from myelin import fit as fit_loop
-from myelin.config import PipelineConfig
+from myelin.config import (
+    PipelineConfig,
+    check_callables,
+    check_max_grad_norm,
+    flight_dir_of,
+)
 from myelin.errors import ConfigError, MyelinError
 from myelin.failures import Failures
-from myelin.microbatch import split_batch
+from myelin.microbatch import split_batch, uneven_rows
 from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
 from myelin.offload.pool import parse_bytes
 from myelin.partition import split
-from myelin.placement import check_every_stage_trains, place_stage, stage_modules
+from myelin.placement import (
+    check_every_stage_trains,
+    layer_modules,
+    parameter_names,
+    place_stage,
+    stage_modules,
+)
 from myelin.precision import compute_dtype
 from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
+from myelin.reshard import stage_keys
 from myelin.runtime.bounded import Waits
-from myelin.runtime.flight import default_dir
+from myelin.runtime.clip import GlobalNorm, norm_slots
 from myelin.runtime.group import (
     Layout,
     World,
@@ -49,6 +61,8 @@ from myelin.runtime.group import (
 )
 from myelin.runtime.liveness import Liveness
 from myelin.runtime.loop import EventLoop, LoopConfig
+from myelin.runtime.peers import connect_peers
+from myelin.runtime.rng import LayerStreams
 from myelin.runtime.schedule import make_policy
 from myelin.runtime.stage import Stage
 from myelin.runtime.transport import Transport, TransportConfig
@@ -76,7 +90,18 @@ class Trainer:
     run_dir: where a failing rank writes its flight record (run_dir/flight/rankN.json):
         its last messages and operations. Default $MYELIN_RUN_DIR/flight, else
         ./myelin-flight.
+    max_grad_norm: clip gradients by the norm of the whole model's gradient (every stage,
+        replica and offload bucket), as torch.nn.utils.clip_grad_norm_ in one process.
+    lr_schedule: called with this stage's optimizer, returns a torch LR scheduler
+        (`trainer.lr_scheduler`), built before a checkpoint is loaded and saved with every
+        checkpoint, so a resumed run continues it exactly. Step it after each step (`fit`
+        does).
     Other keyword arguments are the fields of `PipelineConfig`.
+
+    The optimizer factory gets the tensors it must step (fp32 masters under half precision
+    or optimizer offload), named as in the whole model: `params.named_parameters()`. Each
+    layer draws random numbers (dropout) from a stream of its own, seeded from
+    `torch.initial_seed()` (what `torch.manual_seed` set), the layer and the replica.
     """
 
     def __init__(
@@ -100,7 +125,10 @@ class Trainer:
         precision: str = "fp32",
         device_memory_limit: int | str | None = None,
         run_dir: str | os.PathLike | None = None,
+        max_grad_norm: float | None = None,
+        lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
+        self.seed = torch.initial_seed()  # the layers' random streams derive from it
         self.config = cfg = PipelineConfig(
             stages=stages,
             microbatches=microbatches,
@@ -111,15 +139,16 @@ class Trainer:
             timeout=timeout,
             transport=transport if transport is not None else TransportConfig(),
         )
-        _check_callables(optimizer, loss_fn)
+        check_callables(optimizer, loss_fn, lr_schedule)
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self._profile = ProfileConfig.from_arg(profile)
         if offload is not None and not isinstance(offload, OffloadConfig):
             raise ConfigError(f"offload={offload!r} must be a myelin.OffloadConfig")
         self.offload = offload if offload is not None else OffloadConfig()
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
-        flight_dir = _flight_dir(run_dir)
-        _check_resume(resume)
+        flight_dir = flight_dir_of(run_dir)
+        checkpoint.check_resume(resume)
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
             split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
@@ -136,6 +165,10 @@ class Trainer:
         self.flight = self._failures.flight
         try:
             self._build(model, optimizer, loss_fn)
+            self.lr_scheduler = None
+            self.resumed_scheduler_state = None
+            if lr_schedule is not None:
+                self.set_lr_schedule(lr_schedule)
             self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
         except BaseException:
             self.close()
@@ -143,10 +176,20 @@ class Trainer:
 
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
         cfg, world = self.config, self.world
-        self._state_layout = checkpoint.state_layout(model, stage_modules(model, cfg))
+        stages = stage_modules(model, cfg)
+        self._state_layout = checkpoint.state_layout(model, stages)
+        self.stage_layers = [stage_keys(m).layers for m in stages]  # what checkpoints move
+        local_names = parameter_names(model, cfg, world.stage)
+        clip = None
+        if self.max_grad_norm is not None:
+            slots, total = norm_slots(stages, world.stage)
+            clip = GlobalNorm(
+                self.max_grad_norm, slots, total, counts=world.replica == 0, device=world.device
+            )
         self.module, tied = place_stage(model, cfg, world)
         dtype = compute_dtype(self.precision)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
+        names = [local_names[n] for n, p in self.module.named_parameters() if p.requires_grad]
         # Masters start from the fp32 weights, not from their half-precision rounding.
         initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
         self.module.to(dtype)
@@ -162,17 +205,34 @@ class Trainer:
             stage=world.stage,
             world_size=world.layout.world_size,
             same_host=world.same_host,
+            names=names,
+            clip=clip,
         )
         self.pool, self.budget, self.updater = memory.pool, memory.budget, memory.updater
         self.optimizer = self.updater.optimizer if self.updater is not None else None
         self._failures.budget = self.budget
         if world.layout.world_size > 1:
-            self._connect()
-        stage = Stage(
-            self.module, world.stage, cfg.stages, world.device, loss_fn, memory.activations, dtype
+            self.transport, self.liveness = connect_peers(
+                world, cfg.stages, cfg.transport, self.flight, lambda: self.flight_dir
+            )
+            self._failures.transport, self._failures.liveness = self.transport, self.liveness
+            me = f"rank {world.rank} ({world.layout.describe(world.rank)})"
+            world.waits = Waits(self.liveness, me, cfg.timeout)
+            self._failures.catch_sigterm()
+        self.streams = LayerStreams(
+            self.seed, world.replica, layer_modules(self.module), world.device
         )
-        profiling = self._profile is not None
-        self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
+        stage = Stage(
+            self.module,
+            world.stage,
+            cfg.stages,
+            world.device,
+            loss_fn,
+            memory.activations,
+            dtype,
+            streams=self.streams,
+        )
+        self.timeline = Timeline.of_profile(self._profile, world.rank, world.stage, world.device)
         self.loop = EventLoop(
             stage,
             world,
@@ -185,6 +245,7 @@ class Trainer:
             budget=self.budget,
             flight=self.flight,
             liveness=self.liveness,
+            clip=clip,
         )
         if self._profile is not None:
             self.sampler = Sampler(world.device, self._profile.interval_s, self.timeline.origin)
@@ -192,39 +253,22 @@ class Trainer:
         self.steps_done = 0  # training steps
         self.seq = 0  # training and evaluation steps: the step number messages carry
 
-    def _connect(self) -> None:
-        """The transport to the neighbour stages, and heartbeats with every rank."""
-        cfg, world, t = self.config, self.world, self.config.transport
-        generation = world.store.add(f"myelin/trainers/{world.rank}", 1)
-        self.transport = Transport(
-            world.rank,
-            world.layout.world_size,
-            world.store,
-            t,
-            prefix=f"myelin/t{generation}",
-            same_host=world.same_host,
-        )
-        peers = [world.peer(s) for s in (world.stage - 1, world.stage + 1) if 0 <= s < cfg.stages]
-        self.transport.connect(peers)
-        self._failures.transport = self.transport
-        self.liveness = Liveness(
-            world.rank,
-            world.layout.world_size,
-            world.layout.describe,
-            world.store,
-            self.transport,
-            self.flight,
-            heartbeat_s=t.heartbeat_s,
-            peer_timeout_s=t.peer_timeout_s,
-            exit_after_loss_s=t.exit_after_loss_s,
-            connect_timeout_s=t.connect_timeout_s,
-            prefix=f"myelin/t{generation}",
-            flight_dir=lambda: self.flight_dir,
-        )
-        self._failures.liveness = self.liveness
-        me = f"rank {world.rank} ({world.layout.describe(world.rank)})"
-        world.waits = Waits(self.liveness, me, cfg.timeout)
-        self._failures.catch_sigterm()
+    def set_lr_schedule(self, lr_schedule: Callable[[torch.optim.Optimizer], Any]) -> Any:
+        """Build `trainer.lr_scheduler = lr_schedule(trainer.optimizer)` (None on a stage with
+        nothing to train), replacing any it had. The first one built after resuming from a
+        checkpoint that holds a scheduler continues it, and the optimizer keeps the learning
+        rates the checkpoint left (building a torch scheduler resets them)."""
+        if self.optimizer is None:
+            self.lr_scheduler = None
+            return None
+        resumed_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.lr_scheduler = lr_schedule(self.optimizer)
+        saved, self.resumed_scheduler_state = self.resumed_scheduler_state, None  # once
+        if saved is not None:
+            self.lr_scheduler.load_state_dict(saved)
+            for group, lr in zip(self.optimizer.param_groups, resumed_lrs, strict=True):
+                group["lr"] = lr
+        return self.lr_scheduler
 
     @property
     def flight_dir(self) -> Path:
@@ -284,8 +328,9 @@ class Trainer:
         mb_inputs = split_batch(inputs, m, "inputs")
         mb_targets = split_batch(targets, m, "targets")
         self._failures.enter(f"training step {self.steps_done + 1}")
+        rows = uneven_rows(targets if targets is not None else inputs, m)
         try:
-            loss = self.loop.run_step(self.seq, mb_inputs, mb_targets)
+            loss = self.loop.run_step(self.seq, mb_inputs, mb_targets, rows)
         except BaseException as exc:
             error = self._failures.fail(exc, f"training step {self.steps_done}")
             if error is exc:
@@ -305,10 +350,11 @@ class Trainer:
         m = self.config.microbatches
         mb_inputs = split_batch(inputs, m, "inputs")
         mb_targets = split_batch(targets, m, "targets")
+        rows = uneven_rows(targets if targets is not None else inputs, m)
         self.module.eval()
         self._failures.enter(f"evaluation step {self.seq - self.steps_done + 1}")
         try:
-            loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets)
+            loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets, rows)
         except BaseException as exc:
             error = self._failures.fail(exc, f"evaluation step {self.seq}")
             if error is exc:
@@ -384,6 +430,8 @@ class Trainer:
             raise self._failures.fail(exc, "close()") from None
         finally:
             self._failures.release_sigterm()
+            if getattr(self, "streams", None) is not None:
+                self.streams.close()  # the layers' pre-hooks, on the user's modules
             if self.liveness is not None:
                 self.liveness.close()
             if self.transport is not None:
@@ -397,36 +445,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_callables(optimizer: Any, loss_fn: Any) -> None:
-    """The optimizer is a factory (each stage builds its own), the loss a function."""
-    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-        raise ConfigError(
-            f"optimizer={optimizer!r} must be a factory called with each stage's "
-            f"parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an "
-            f"optimizer instance"
-        )
-    if not callable(loss_fn):
-        raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
-
-
-def _flight_dir(run_dir: Any) -> Path:
-    """Where flight records go: run_dir/flight, else $MYELIN_RUN_DIR/flight or ./myelin-flight."""
-    if run_dir is None:
-        return default_dir()
-    if not isinstance(run_dir, (str, os.PathLike)) or not run_dir:
-        raise ConfigError(f"run_dir={run_dir!r} must be a directory path")
-    return Path(run_dir) / "flight"
-
-
-def _check_resume(resume: Any) -> None:
-    """A checkpoint to resume from must exist before any work starts."""
-    if resume is None:
-        return
-    if not isinstance(resume, (str, os.PathLike)) or not resume:
-        raise ConfigError(f"resume={resume!r} must be a checkpoint directory")
-    try:
-        checkpoint.latest_version(resume)
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(f"resume={os.fspath(resume)!r}: {exc}") from None

@@ -38,6 +38,7 @@ LAYERS = {
         "myelin.metrics",
         "myelin.lr",
         "myelin.checkpoint",
+        "myelin.reshard",
     ],
     "engine": [
         "myelin.runtime",

@@ -12,6 +12,7 @@ from torch import nn
 
 import myelin
 from myelin import ConfigError, PartitionError, Trainer, TransportConfig
+from myelin.microbatch import uneven_rows
 from myelin.models import GPT, GPTConfig, lm_loss
 from myelin.trainer import split_batch
 
@@ -92,10 +93,14 @@ def test_split_batch_shapes_and_errors():
     pairs = split_batch((torch.zeros(4, 2), torch.ones(4)), 2, "inputs")
     assert len(pairs) == 2 and pairs[1][0].shape == (2, 2) and pairs[1][1].shape == (2,)
     assert split_batch(None, 4, "inputs") is None
+    uneven = split_batch(torch.arange(10), 4, "inputs")  # a short last batch, say
+    assert [p.tolist() for p in uneven] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert uneven_rows(torch.arange(10), 4) == [3, 3, 2, 2]
+    assert uneven_rows(torch.arange(8), 4) is None and uneven_rows([1] * 4, 4) is None
     with pytest.raises(
-        ConfigError, match="inputs: a batch of 10 does not split into microbatches=4"
+        ConfigError, match="inputs: a batch of 3 rows cannot be split into microbatches=4"
     ):
-        split_batch(torch.zeros(10, 3), 4, "inputs")
+        split_batch(torch.zeros(3, 3), 4, "inputs")
     with pytest.raises(ConfigError, match="targets: a list is taken as one entry per microbatch"):
         split_batch([torch.zeros(1)] * 3, 4, "targets")
     with pytest.raises(ConfigError, match=r"inputs\[1\] has batch size 3, but inputs\[0\] has 4"):

@@ -53,9 +53,12 @@ def build_memory(
     stage: int,
     world_size: int,
     same_host: bool,
+    names: list[str] | None = None,
+    clip: Any = None,
 ) -> Memory:
     """The device budget, the host pool, the activation store and the updater of `module`
-    (already in its training dtype); `initial` holds fp32 weights for half-precision masters."""
+    (already in its training dtype); `initial` holds fp32 weights for half-precision masters,
+    `names` the trainable parameters' names in the whole model, `clip` a GlobalNorm."""
     off = offload
     mode = off.optimizer_mode(device.type)
     pool = None
@@ -86,6 +89,9 @@ def build_memory(
             pool=pool,
             bucket_bytes=off.bucket_bytes,
             initial=initial,
+            names=names,
+            clip=clip,
+            where=f"rank {rank} (stage {stage})",
         )
     elif precision == "fp16" and world_size > 1:
         raise ConfigError(

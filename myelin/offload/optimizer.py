@@ -26,6 +26,8 @@ from torch import nn
 
 from myelin.errors import ConfigError
 from myelin.offload.budget import DeviceBudget
+from myelin.offload.factory import build_optimizer
+from myelin.offload.gradients import Gradients
 from myelin.offload.pool import HostPool
 from myelin.offload.streaming import Streamer, is_paged, nbytes, to_pool
 from myelin.precision import LossScaler
@@ -34,7 +36,11 @@ __all__ = ["Updater"]
 
 
 class Updater:
-    """Steps `factory(masters)` for the trainable `params` of one stage."""
+    """Steps `factory(masters)` for the trainable `params` of one stage.
+
+    names: each parameter's name in the whole model, for factories that group by name.
+    clip: a `runtime.clip.GlobalNorm` the gradients are clipped by before each update.
+    """
 
     def __init__(
         self,
@@ -48,6 +54,9 @@ class Updater:
         bucket_bytes: int = 32 << 20,
         overflow_group: Any = None,
         initial: list[torch.Tensor] | None = None,
+        names: list[str] | None = None,
+        clip: Any = None,
+        where: str = "this stage",
     ) -> None:
         # initial: fp32 values the masters start from (default: the parameters themselves)
         if mode != "device" and pool is None:
@@ -62,13 +71,11 @@ class Updater:
         self.device = params[0].device if params else torch.device("cpu")
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda and mode != "device" else None
+        self.clip = clip
+        self.grads = Gradients(params, self.half)  # fp32, summed in fp32 under half precision
         self.masters = self._make_masters(initial or [p.detach() for p in params])
-        self.optimizer = factory(self.masters)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"optimizer factory returned {type(self.optimizer).__name__}, "
-                f"not a torch.optim.Optimizer"
-            )
+        names = names if names is not None else [f"param{i}" for i in range(len(params))]
+        self.optimizer = build_optimizer(factory, self.masters, names, where)
         if mode == "host" and self.device.type == "cuda":
             # The update runs on host tensors, for which torch would pick its per-tensor
             # loop; use the foreach kernels a device-side update would use. (On a CPU
@@ -80,7 +87,6 @@ class Updater:
         self._host_grads: list[torch.Tensor] = []
         self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
         self._armed = False
-        self._inv_scale = 1.0
         self._stepping: list[int] = []  # the bucket whose masters hold gradients now
         if mode == "host":
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
@@ -118,7 +124,7 @@ class Updater:
         self._pending = [set(bucket) for bucket in self._buckets]
         index = {id(p): i for i, p in enumerate(self.params)}
 
-        def hook(p: torch.Tensor) -> None:
+        def hook(p: torch.Tensor) -> None:  # after Gradients' own hook: the fp32 sum is done
             if not self._armed:
                 return
             b = owner[id(p)]
@@ -143,6 +149,8 @@ class Updater:
         step was skipped (on every rank)."""
         self._armed = False
         if self.mode == "device" and not self.half:
+            if self.clip is not None:
+                self.clip.clip([p.grad for p in self.params])
             self.optimizer.step()
         elif not self._step_masters():
             self.zero_grad()
@@ -161,10 +169,12 @@ class Updater:
                     if event is not None:
                         event.synchronize()
         elif self.mode == "device":
-            for p, m in zip(self.params, self.masters, strict=True):
-                m.grad = None if p.grad is None else p.grad.detach().float()
+            for i, m in enumerate(self.masters):
+                m.grad = self.grads.grad(i)
         if self.scaler is not None and not self._unscale():
             return False
+        if self.clip is not None:
+            self.clip.clip(self._step_grads())
         if self.mode == "device":
             self.optimizer.step()
             with torch.no_grad():
@@ -184,14 +194,14 @@ class Updater:
         """Gradients of bucket `b` into their host buffers, as fp32."""
         if self._stream is None:
             for i in self._buckets[b]:
-                if self.params[i].grad is not None:
-                    self._host_grads[i].copy_(self.params[i].grad)
+                if self._has_grad(i):
+                    self._host_grads[i].copy_(self.grads.grad(i))
             self._copied[b] = None
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for i in self._buckets[b]:
-                g = self.params[i].grad
+                g = self.grads.grad(i)
                 if g is not None:
                     self._host_grads[i].copy_(g, non_blocking=True)
                     g.record_stream(self._stream)
@@ -226,27 +236,26 @@ class Updater:
         self._stepping = bucket
 
     def _fp32_grads_for(self, bucket: list[int]) -> None:
-        """The stream mode's gradients: the parameters' own, cast to fp32 (and unscaled)."""
-        params = self.params
-        self._grads_for(bucket, lambda i: None if params[i].grad is None else self._fp32_grad(i))
-
-    def _fp32_grad(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        g = p.grad.float()
-        return g.mul_(self._inv_scale) if self.scaler is not None else g
+        """The stream mode's gradients: the fp32 ones on the device (already unscaled)."""
+        self._grads_for(bucket, self.grads.grad)
 
     def _has_grad(self, i: int) -> bool:
-        return self.params[i].grad is not None
+        return self.grads.grad(i) is not None
+
+    def _step_grads(self) -> list[torch.Tensor | None]:
+        """The fp32 gradients the update reads, one per parameter (None: it has none)."""
+        if self.mode == "host":
+            return [
+                self._host_grads[i] if self._has_grad(i) else None for i in range(len(self.params))
+            ]
+        if self.mode == "device":
+            return [m.grad for m in self.masters]
+        return [self.grads.grad(i) for i in range(len(self.params))]
 
     def _unscale(self) -> bool:
         """Divide gradients by the loss scale; False (everywhere) if any rank overflowed."""
         assert self.scaler is not None
-        if self.mode == "host":
-            grads = [self._host_grads[i] for i in range(len(self.params)) if self._has_grad(i)]
-        elif self.mode == "device":
-            grads = [m.grad for m in self.masters if m.grad is not None]
-        else:
-            grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [g for g in self._step_grads() if g is not None]
         scale = self.scaler.scale
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         flag = torch.tensor([0.0 if finite else 1.0])
@@ -256,16 +265,13 @@ class Updater:
         self.scaler.update(overflow)
         if overflow:
             return False
-        if self.mode == "stream":  # fp16 gradients: scaled when cast to fp32, per bucket
-            self._inv_scale = 1.0 / scale
-        elif grads:
+        if grads:
             torch._foreach_mul_(grads, 1.0 / scale)
         return True
 
     def zero_grad(self) -> None:
         self._stepping = []
-        for p in self.params:
-            p.grad = None
+        self.grads.clear()
         if self.masters is not self.params:
             for m in self.masters:
                 m.grad = None
@@ -351,6 +357,13 @@ class Updater:
         if self.mode != "device":
             self._adopt_state(list(range(len(self.masters))))
         self._account()
+
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> the fp32 weights the optimizer steps for it (the master copy;
+        the parameter itself when it trains in fp32 on the device)."""
+        if self._stream is not None:  # copies to or from the masters may be in flight
+            self._stream.synchronize()
+        return {id(p): m.detach() for p, m in zip(self.params, self.masters, strict=True)}
 
     def sync_from_params(self) -> None:
         """Masters take the parameters' values (after the parameters were loaded)."""

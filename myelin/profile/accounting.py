@@ -16,9 +16,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from myelin.profile.attribution import MESSAGE_CAUSES
-from myelin.profile.timeline import IDLE_CAUSES, KINDS, Span
+from myelin.profile.spans import IDLE_CAUSES, KINDS, Span
 
-__all__ = ["BUSY_KINDS", "CAUSES", "COMM_KINDS", "HTA_CAUSES", "account", "merge_intervals"]
+__all__ = [
+    "BUSY_KINDS",
+    "CAUSES",
+    "COMM_KINDS",
+    "HTA_CAUSES",
+    "account",
+    "add_seconds",
+    "fractions",
+    "merge_intervals",
+    "seconds",
+]
 
 HTA_CAUSES = ("host_wait", "short_gap", "other")
 # Idle causes in the order they claim time; host overhead is what none claims.
@@ -87,35 +97,68 @@ def account(
     or receive is not compute even where the record of an operation encloses it.
     hta: always report HTA's causes (an imported trace), not only those that occur.
     """
-    wall = max(end - start, 0.0)
+    return fractions(seconds(spans, start, end, host_device, hta))
+
+
+def seconds(
+    spans: Sequence[Span],
+    start: float,
+    end: float,
+    host_device: bool = False,
+    hta: bool = False,
+) -> dict[str, Any]:
+    """`account`'s figures as seconds, which add up over consecutive windows (so a profile
+    can fold old spans into running totals, profile/window.py)."""
 
     def clipped(keep: Any) -> list[Interval]:
         return merge_intervals((max(s.start, start), min(s.end, end)) for s in spans if keep(s))
 
+    wall = max(end - start, 0.0)
     busy = clipped(lambda s: s.cause is None and s.kind in BUSY_KINDS)
     loop_comm = clipped(lambda s: s.kind in ("send", "recv"))
     if host_device:
         busy = _subtract(busy, loop_comm)
-    covered, seconds = busy, {}
+    covered, idle = busy, {}
     extra = sorted({s.cause for s in spans if s.cause and s.cause not in CAUSES})
     for cause in (*CAUSES, *extra):
         own = _subtract(clipped(lambda s, c=cause: s.cause == c), covered)
         if own or hta or cause not in HTA_CAUSES:
-            seconds[cause] = _total(own)
+            idle[cause] = _total(own)
             covered = merge_intervals(covered + own)
-    seconds["host_overhead"] = max(wall - _total(covered), 0.0)
+    idle["host_overhead"] = max(wall - _total(covered), 0.0)
     comm = clipped(lambda s: s.kind in COMM_KINDS)
-    comm_s = _total(comm)
-    idle = {c: seconds.pop(c) for c in IDLE_CAUSES}
-    idle.update(seconds)
+    ordered = {c: idle.pop(c) for c in IDLE_CAUSES}
+    ordered.update(idle)
+    return {
+        "wall": wall,
+        "busy": _total(busy),
+        "idle": ordered,
+        "comm": _total(comm),
+        "overlap": _intersect_total(comm, busy),
+        # of host overhead: the loop handing messages over, not hidden behind compute
+        "exposed_send": _total(_subtract(loop_comm, covered)),
+    }
+
+
+def add_seconds(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The seconds of two consecutive windows, as those of one."""
+    idle = dict(a["idle"])
+    for cause, value in b["idle"].items():
+        idle[cause] = idle.get(cause, 0.0) + value
+    out = {k: a[k] + b[k] for k in ("wall", "busy", "comm", "overlap", "exposed_send")}
+    return {**out, "idle": idle}
+
+
+def fractions(sec: dict[str, Any]) -> dict[str, Any]:
+    """`seconds` as `account` reports them: fractions of the wall time."""
+    wall, comm = sec["wall"], sec["comm"]
     return {
         "wall_s": wall,
-        "busy_frac": _frac(_total(busy), wall),
-        "idle": {c: _frac(v, wall) for c, v in idle.items()},
-        "overlap_frac": _intersect_total(comm, busy) / comm_s if comm_s else None,
-        "comm_s": comm_s,
-        # of host overhead: the loop handing messages over, not hidden behind compute
-        "exposed_send_frac": _frac(_total(_subtract(loop_comm, covered)), wall),
+        "busy_frac": _frac(sec["busy"], wall),
+        "idle": {c: _frac(v, wall) for c, v in sec["idle"].items()},
+        "overlap_frac": sec["overlap"] / comm if comm else None,
+        "comm_s": comm,
+        "exposed_send_frac": _frac(sec["exposed_send"], wall),
     }
 
 

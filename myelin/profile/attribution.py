@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from myelin.profile.timeline import Span
+from myelin.profile.spans import Span
 
 __all__ = ["MESSAGE_CAUSES", "attribute", "simulate"]
 

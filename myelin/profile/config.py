@@ -20,6 +20,10 @@ class ProfileConfig:
     warmup_steps: steps left out of the steady-state figures.
     gather_timeout_s: how long rank 0 waits for the other ranks' records at close.
     print_summary: print the table on rank 0 at close.
+    window_steps: keep every span of the last this many steps; older ones are folded into
+        running totals, so the figures cover the whole run while memory stays flat (about
+        4 KiB a step in `myelin train`'s default run: 2 stages, 4 microbatches). The trace
+        and the picture show the window. None keeps every span.
     """
 
     out_dir: str | None = None
@@ -27,6 +31,7 @@ class ProfileConfig:
     warmup_steps: int = 1
     gather_timeout_s: float = 60.0
     print_summary: bool = True
+    window_steps: int | None = 200
 
     def __post_init__(self) -> None:
         if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
@@ -43,6 +48,13 @@ class ProfileConfig:
                 raise ConfigError(f"profile {name}={value!r} must be a number of seconds")
             if not lo <= value <= hi:
                 raise ConfigError(f"profile {name}={value!r} must be in [{lo}, {hi}] seconds")
+        if self.window_steps is not None and (
+            type(self.window_steps) is not int or self.window_steps < 1
+        ):
+            raise ConfigError(
+                f"profile window_steps={self.window_steps!r} must be an int >= 1 (or None: "
+                f"keep every span)"
+            )
         if type(self.warmup_steps) is not int or self.warmup_steps < 0:
             raise ConfigError(f"profile warmup_steps={self.warmup_steps!r} must be an int >= 0")
 

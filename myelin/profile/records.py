@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from myelin.atomic import write_atomic
-from myelin.profile.timeline import Span
+from myelin.profile.spans import Span
 
 __all__ = ["RANK_FORMAT", "SPAN_FIELDS", "RankProfiles", "collect", "spans_of", "write_json"]
 
@@ -48,6 +48,7 @@ def collect(
         "host": socket.gethostname(),
         "span_fields": list(SPAN_FIELDS),
         "spans": [[getattr(s, f) for f in SPAN_FIELDS] for s in spans],
+        "folded": getattr(timeline, "folded", None),  # older spans' totals (window.py)
         "counters": dict(counters or {}),
         "detail": {},
     }

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from myelin.profile.accounting import HTA_CAUSES, Interval, account
+from myelin.profile.accounting import HTA_CAUSES, Interval, account, add_seconds, fractions, seconds
 from myelin.profile.attribution import attribute
-from myelin.profile.timeline import Span
+from myelin.profile.spans import Span
 
 __all__ = ["SUMMARY_FORMAT", "format_summary", "pct", "steady", "steps_of", "summarize"]
 
@@ -40,8 +40,10 @@ def summarize(
     warmup_steps: int,
     missing: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The figures of every rank's records, shaped as summary.json: {"ranks": [...], ...}."""
-    all_steps = steps_of(spans)
+    """The figures of every rank's records, shaped as summary.json: {"ranks": [...], ...}.
+    A record whose older spans were folded into totals (profile/window.py) adds them."""
+    folded_steps = {s for rec in ranks for s in (rec.get("folded") or {}).get("first_steps", ())}
+    all_steps = sorted(set(steps_of(spans)) | folded_steps)
     steady_steps = steady(all_steps, warmup_steps)
     source = ranks[0].get("source", "myelin") if ranks else "myelin"
     expected: dict[int, float] = {}
@@ -55,11 +57,13 @@ def summarize(
         row = {k: rec.get(k) for k in ("rank", "stage", "replica", "device", "source")}
         mine = rec.get("source", "myelin") == "myelin"
         how = {"host_device": mine and _on_host(rec.get("device")), "hta": not mine}
-        window = _window(rank_spans, steady_steps[0] if steady_steps else None) or (0.0, 0.0)
-        row.update(account(rank_spans, *window, **how))
+        folded = rec.get("folded")
+        first = steady_steps[0] if steady_steps else None
+        if folded is not None and not _same_warmup(folded, first):
+            row["steady_state_from"] = "the kept window"  # its totals left out another warmup
+        row.update(_figures(rank_spans, first, folded, how, steady=True))
         row["steps"] = [steady_steps[0], steady_steps[-1]] if steady_steps else []
-        whole = _window(rank_spans) or (0.0, 0.0)
-        row["whole_run"] = account(rank_spans, *whole, **how)
+        row["whole_run"] = _figures(rank_spans, None, folded, how, steady=False)
         if rec["rank"] in expected:
             row["expected_bubble"] = expected[rec["rank"]]
         if rec.get("detail"):
@@ -77,6 +81,41 @@ def summarize(
         "ranks": rows,
         "mean": _mean(rows),
     }
+
+
+def _figures(
+    spans: Sequence[Span],
+    first_step: int | None,
+    folded: dict[str, Any] | None,
+    how: dict[str, bool],
+    steady: bool,
+) -> dict[str, Any]:
+    """`account` from the first record of `first_step` (None: of anything) to the last,
+    the folded totals of older spans added (steady: the steady state's)."""
+    if folded is None:
+        return account(spans, *(_window(spans, first_step) or (0.0, 0.0)), **how)
+    until = folded["until"]
+    end = max([until, *(s.end for s in spans)])
+    before, start = folded["whole"], until
+    if steady:
+        starts = [s.start for s in spans if first_step is not None and s.step >= first_step]
+        if folded.get("steady_start") is not None:
+            starts.append(folded["steady_start"])
+        start = max(until, min(starts, default=until))
+        before = folded["steady"] if _same_warmup(folded, first_step) else None
+    part = seconds(spans, start, max(start, end), **how)
+    return fractions(part if before is None else add_seconds(before, part))
+
+
+def _same_warmup(folded: dict[str, Any], first_step: int | None) -> bool:
+    """Whether the folded steady totals began where this report's steady state begins."""
+    firsts, warmup = folded.get("first_steps", []), folded.get("warmup_steps")
+    return (
+        first_step is not None
+        and warmup is not None
+        and warmup < len(firsts)
+        and (firsts[warmup] == first_step)
+    )
 
 
 def _window(spans: Sequence[Span], first_step: int | None = None) -> Interval | None:

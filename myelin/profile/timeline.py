@@ -13,66 +13,38 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from myelin.profile.accounting import seconds
+from myelin.profile.config import ProfileConfig
+from myelin.profile.spans import IDLE_CAUSES, KINDS, Span
+from myelin.profile.window import Window
+
 __all__ = ["Span", "Timeline", "KINDS", "IDLE_CAUSES"]
-
-# What a span can be; "compute" kinds make a device busy, "wait" kinds are idle time.
-KINDS = {
-    "forward": "compute",
-    "backward": "compute",
-    "optimizer": "compute",
-    "eval": "compute",
-    "send": "comm",
-    "recv": "comm",
-    "wait": "wait",
-    "allreduce": "wait",
-    "offload": "wait",  # copies to and from host memory the device waits for
-}
-# bubble: a wait for a message that the schedule implies; latency, slow_peer and sync:
-# the rest of such waits (profile/attribution.py tells them apart after the run)
-IDLE_CAUSES = (
-    "bubble",
-    "latency",
-    "slow_peer",
-    "sync",
-    "offload_wait",
-    "collective_wait",
-    "optimizer_host",
-    "host_overhead",
-)
-
-
-@dataclass(slots=True)
-class Span:
-    """One timed thing one rank did."""
-
-    kind: str  # a key of KINDS
-    name: str  # "1F3", "1B3", "1SEND_F3", "1WAIT", "1ALLREDUCE", "1OPT"
-    track: str  # "compute", "comm", or "peer N" for messages to and from rank N
-    step: int
-    start: float  # seconds since the timeline's origin
-    end: float
-    microbatch: int | None = None
-    cause: str | None = None  # for waits: one of IDLE_CAUSES
-    peer: int | None = None  # the other rank of a send or of the message a wait ended with
-    nbytes: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Timeline:
-    """An append-only list of spans with one clock origin; cheap enough to leave on.
+    """The spans of one rank with one clock origin; cheap enough to leave on.
 
     device: on a CUDA device `op` times operations with CUDA events on the current
     stream, read back off the hot path; elsewhere `op` reads the monotonic clock.
+    window_steps: keep the spans of the last this many steps (and the current one) and
+    fold older ones into running totals (profile/window.py); None keeps every span.
+    warmup_steps: the steps the totals leave out of the steady state, as the report does.
     """
 
-    def __init__(self, rank: int, stage: int, enabled: bool = True, device: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        stage: int,
+        enabled: bool = True,
+        device: Any = None,
+        *,
+        window_steps: int | None = None,
+        warmup_steps: int = 1,
+    ) -> None:
         self.rank = rank
         self.stage = stage
         self.enabled = enabled
@@ -87,11 +59,36 @@ class Timeline:
         self.wall_origin = time.time()  # to line ranks up in one trace
         self._spans: list[Span] = []
         self._busy_s = 0.0
+        self.on_host = device is None or torch.device(device).type != "cuda"
+        self._window_args = (window_steps, warmup_steps, self.on_host)
+        self._window = Window(*self._window_args) if window_steps is not None else None
+        self._by_step: dict[int, list[Span]] = {}  # with a window: the kept spans, by step
+        self._starts: dict[int, float] = {}  # each kept step's earliest start
+
+    @classmethod
+    def of_profile(
+        cls, config: ProfileConfig | None, rank: int, stage: int, device: Any
+    ) -> Timeline:
+        """The timeline a trainer keeps: recording with `config`'s window, or (None) only
+        counting busy time."""
+        if config is None:
+            return cls(rank, stage, False, device)
+        return cls(
+            rank,
+            stage,
+            True,
+            device,
+            window_steps=config.window_steps,
+            warmup_steps=config.warmup_steps,
+        )
 
     @property
     def spans(self) -> list[Span]:
-        """Every span so far; reading them waits for the device's pending timings."""
+        """Every span kept (with a window: of its steps, in the order they ended); reading
+        them waits for the device's pending timings."""
         self._resolve(wait=True)
+        if self._window is not None:
+            return sorted((s for kept in self._by_step.values() for s in kept), key=_end)
         return self._spans
 
     @property
@@ -111,7 +108,50 @@ class Timeline:
         if not self.enabled:
             return
         track = fields.pop("track", None) or KINDS[kind]
-        self._spans.append(Span(kind, name, track, step, start, end, **fields))
+        span = Span(kind, name, track, step, start, end, **fields)
+        if self._window is None:
+            self._spans.append(span)
+        else:
+            self._keep(span)
+
+    def _keep(self, span: Span) -> None:
+        """Keep `span` in the window, and fold the oldest steps out while there are too many."""
+        window, step = self._window, span.step
+        window.saw(step)
+        self._by_step.setdefault(step, []).append(span)
+        self._starts[step] = min(self._starts.get(step, span.start), span.start)
+        while window.should_fold(len(self._by_step)):
+            oldest = min(self._by_step)
+            evicted = self._by_step.pop(oldest)
+            del self._starts[oldest]
+            end = max(s.end for s in evicted)
+            nearby = [  # kept spans that began before the evicted step's last one ended
+                s
+                for k, kept in self._by_step.items()
+                if self._starts[k] < end
+                for s in kept
+                if s.start < end
+            ]
+            window.fold(evicted, nearby)
+
+    def compute_s(self, until: float) -> float:
+        """Compute seconds from the first record to `until` (not before the last fold), as
+        the report counts them (on a host device, sends and receives inside operations
+        are not compute); fit's meter takes differences of it."""
+        self._resolve(wait=True)
+        folded = self._window.whole if self._window is not None else None
+        start = self._window.until if folded is not None else None
+        spans = self.spans if start is None else [s for s in self.spans if s.end > start]
+        if start is None:
+            start = min((s.start for s in spans), default=until)
+        busy = seconds(spans, start, max(start, until), self.on_host)["busy"]
+        return busy + (folded["busy"] if folded is not None else 0.0)
+
+    @property
+    def folded(self) -> dict[str, Any] | None:
+        """The totals of the spans folded out of the window, for a record (None: none)."""
+        self._resolve(wait=True)
+        return self._window.record() if self._window is not None else None
 
     def range(self, name: str) -> Any:
         """A torch.profiler range named `name` while torch's profiler records (a wait, say)."""
@@ -152,8 +192,17 @@ class Timeline:
             self.add(kind, name, start_s, self._ref.elapsed_time(end) / 1e3, step, **fields)
 
     def clear(self) -> None:
+        """Forget every span and the folded totals."""
         self._resolve(wait=True)
-        self._spans.clear()
+        self._spans = []
+        self._by_step.clear()
+        self._starts.clear()
+        if self._window is not None:
+            self._window = Window(*self._window_args)
+
+
+def _end(span: Span) -> float:
+    return span.end
 
 
 def _torch_range(name: str) -> Any:

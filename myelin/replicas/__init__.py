@@ -19,7 +19,10 @@ class Strategy:
     reduces_gradients = False  # gradients change after the backwards (they cannot stream early)
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
-        """Every backward of the step has run on this stage: agree on gradients and loss."""
+        """Every backward of the step has run on this stage: agree on gradients and loss.
+
+        `params` hold this stage's fp32 gradients in `.grad`: the trainable parameters in
+        fp32, their fp32 sums' carriers under half precision (offload/gradients.py)."""
         return loss
 
     def eval_loss(self, loss: float) -> float:

@@ -72,6 +72,7 @@ class Inbox:
         self.early: list[Message] = []
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}  # by microbatch, for forwards
         self.grads: dict[int, tuple[list[torch.Tensor], list[int], float]] = {}  # for backwards
+        self.rows: dict[int, int] = {}  # rows of each microbatch of a batch split unevenly
         self._arrived: set[tuple[str, int]] = set()
 
     def begin(self, step: int, ready: Ready, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
@@ -79,6 +80,7 @@ class Inbox:
         self.step = step
         self.inputs = inputs
         self.grads = {}
+        self.rows = {}
         self._arrived = set()
         early, self.early = self.early, []
         self.handle(early, ready)
@@ -212,8 +214,16 @@ class Inbox:
                 f"rank {self.world.rank}: gradient of microbatch {mb} from rank {msg.src} has "
                 f"meta.loss={loss!r}, expected a float"
             )
+        rows = msg.meta.get("rows")
+        if rows is not None and (type(rows) is not int or rows < 1):
+            raise MyelinError(
+                f"rank {self.world.rank}: gradient of microbatch {mb} from rank {msg.src} has "
+                f"meta.rows={rows!r}, expected the microbatch's row count (an int >= 1)"
+            )
         self._arrived.add(("gradient", mb))
         self.grads[mb] = (msg.tensors, index, loss)
+        if rows is not None:
+            self.rows[mb] = rows
         ready.backward.add(mb)
         return True
 

@@ -78,6 +78,7 @@ class EventLoop:
         flight: FlightRecorder | None = None,
         liveness: Any = None,
         replicas: Strategy | None = None,
+        clip: Any = None,
     ) -> None:
         self.stage = stage
         self.world = world
@@ -86,9 +87,7 @@ class EventLoop:
         self.updater = updater
         self.config = config
         self.budget = budget
-        self._grad_bytes = sum(
-            p.numel() * p.element_size() for p in stage.module.parameters() if p.requires_grad
-        )
+        self._grad_bytes = updater.grads.bytes_per_step() if updater is not None else 0
         self.stats = LoopStats()
         self.flight = flight or FlightRecorder(world.rank)
         self.liveness = liveness  # heartbeats (runtime/liveness.py), when peers exist
@@ -97,6 +96,7 @@ class EventLoop:
         if replicas is None and world.dp_group is not None:
             replicas = AllReduce(world.dp_group, world.layout.data_parallel, world.waits)
         self.replicas = replicas  # None: one replica, nothing to agree on
+        self.clip = clip  # runtime/clip.py: a stage with nothing to train still joins its norm
         self.inbox = Inbox(
             stage,
             world,
@@ -119,15 +119,16 @@ class EventLoop:
         step: int,
         inputs: Sequence[tuple[torch.Tensor, ...]] | None,
         targets: Sequence[Any] | None,
+        rows: Sequence[int] | None = None,
     ) -> float:
         """Run forward and backward of every microbatch of `step` on this stage, then update.
 
-        Returns the loss of the step: the mean of the microbatch losses, averaged over
-        data-parallel replicas, the same on every rank.
+        Returns the loss of the step: the mean of the microbatch losses (weighted by `rows`,
+        their row counts, when the batch split unevenly; the last stage tells the others),
+        averaged over data-parallel replicas, the same on every rank.
         """
-        m = self.config.microbatches
         stage = self.stage
-        ready, local = self._begin(step, inputs, targets)
+        ready, local = self._begin(step, inputs, targets, rows)
         self._losses: dict[int, float] = {}
         if stage.activations is not None:
             stage.activations.begin_step()
@@ -141,7 +142,7 @@ class EventLoop:
         except BaseException:
             stage.clear()
             raise
-        loss = sum(self._losses[i] for i in range(m)) / m
+        loss = self._mean(self._losses, self.inbox.rows)
         self.flight.now(f"reducing gradients at the end of step {step}")
         self._sum_tied()
         loss = self._agree(loss, train=True)
@@ -150,6 +151,8 @@ class EventLoop:
             self._update(step)
             if self.replicas is not None:
                 self.replicas.after_optimizer_step()
+        elif self.clip is not None:
+            self.clip.clip([])
         self.flight.now(f"between steps (step {step} done)")
         if self.budget is not None:
             self.budget.set("gradients", 0, "")
@@ -162,21 +165,21 @@ class EventLoop:
         step: int,
         inputs: Sequence[tuple[torch.Tensor, ...]] | None,
         targets: Sequence[Any] | None,
+        rows: Sequence[int] | None = None,
     ) -> float:
         """Forward every microbatch without gradients; the mean loss, on every rank.
 
         `step` shares the numbering of training steps (the trainer counts both), so
         messages of an evaluation never mix with those of a training step.
         """
-        m = self.config.microbatches
         stage = self.stage
-        ready, local = self._begin(step, inputs, targets)
-        self._eval_losses: list[float] = []  # in the order the forwards ran
+        ready, local = self._begin(step, inputs, targets, rows)
+        self._eval_losses: dict[int, float] = {}
         self.inbox.begin(step, ready, local)  # takes what came early for this step
         try:
             self._drive(ready, self._forward_only)
             if stage.is_last:
-                ready.loss = sum(self._eval_losses) / m
+                ready.loss = self._mean(self._eval_losses, self._rows)
                 meta = {"op": "eval_loss", "value": ready.loss}
                 for s in range(stage.num_stages - 1):
                     msg = Message("control", self.world.rank, step, 0, s, [], meta)
@@ -192,9 +195,11 @@ class EventLoop:
         step: int,
         inputs: Sequence[tuple[torch.Tensor, ...]] | None,
         targets: Sequence[Any] | None,
+        rows: Sequence[int] | None,
     ) -> tuple[Ready, dict[int, tuple[torch.Tensor, ...]]]:
         """Per-step state shared by training and evaluation; stage 0's forwards are ready
         with its local inputs."""
+        self._rows = dict(enumerate(rows)) if rows is not None and self.stage.is_last else {}
         stage = self.stage
         if stage.is_first and inputs is None:
             raise ConfigError(f"rank {self.world.rank} holds stage 0 and needs the inputs")
@@ -237,6 +242,19 @@ class EventLoop:
                 waited = time.monotonic() - last_progress
                 raise DeadlineError(describe_wait(self.world, self._step, ready, waited, policy))
 
+    def _share(self, mb: int) -> float | None:
+        """Microbatch `mb`'s share of the batch's rows when it split unevenly (else None)."""
+        if not self._rows:
+            return None
+        return self._rows[mb] / sum(self._rows.values())
+
+    def _mean(self, losses: dict[int, float], rows: dict[int, int]) -> float:
+        """The step's loss: the microbatches' mean, weighted by their rows if uneven."""
+        m = self.config.microbatches
+        if not rows:
+            return sum(losses[i] for i in range(m)) / m
+        return sum(losses[i] * rows[i] for i in range(m)) / sum(rows[i] for i in range(m))
+
     # -- operations ----------------------------------------------------------
 
     def _run(self, action: Action, ready: Ready, policy: Policy) -> None:
@@ -259,9 +277,10 @@ class EventLoop:
         store = stage.activations
         page_out = store is not None and store.pages_out
         page_out = page_out and not self.policy.backward_next(ready, mb)
+        share = self._share(mb)
         with self.timeline.op("forward", str(action), self._step, microbatch=mb):
             try:  # the compute only: the send below is not the device's time
-                outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out)
+                outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out, share)
             except InputMismatch as exc:
                 raise misfit(
                     self.world, stage.index, self._step, mb, inputs, exc.__cause__
@@ -270,6 +289,8 @@ class EventLoop:
         self.stats.forwards += 1
         if stage.is_last:
             self.inbox.grads[mb] = ([], [], stage.loss(mb))
+            if mb in self._rows:
+                self.inbox.rows[mb] = self._rows[mb]
             ready.backward.add(mb)
         else:
             detached = [o.detach() for o in outputs]
@@ -288,6 +309,8 @@ class EventLoop:
         self.stats.backwards += 1
         if not stage.is_first:
             meta = {"index": in_index, "loss": loss}
+            if mb in self.inbox.rows:
+                meta["rows"] = self.inbox.rows[mb]
             self.outbox.send(self._step, stage.index - 1, "gradient", mb, in_grads, meta)
 
     def _evaluate(self, action: Action, ready: Ready) -> None:
@@ -299,7 +322,7 @@ class EventLoop:
             )
         ready.ran("F", mb)
         if stage.is_last:
-            self._eval_losses.append(out)
+            self._eval_losses[mb] = out
         else:
             self.outbox.send(self._step, stage.index + 1, "activation", mb, list(out), {})
 
@@ -380,7 +403,7 @@ class EventLoop:
         so each holder applies the same update and the copies stay equal."""
         for group, params in self.tied:
             start = self.timeline.now()
-            sum_gradients(params, group, self.world.waits)
+            sum_gradients(self.updater.grads.holders_of(params), group, self.world.waits)
             self._collective(f"{self.stage.index}TIED", start)
 
     def _agree(self, loss: float, train: bool) -> float:
@@ -390,8 +413,8 @@ class EventLoop:
         start = self.timeline.now()
         if train:
             trained = self.updater is not None
-            params = [p for p in self.stage.module.parameters() if p.requires_grad and trained]
-            loss = self.replicas.backwards_done(params, loss)
+            holders = self.updater.grads.holders if trained else []  # fp32 gradients in .grad
+            loss = self.replicas.backwards_done(holders, loss)
         else:
             loss = self.replicas.eval_loss(loss)
         self._collective(f"{self.stage.index}ALLREDUCE", start)

@@ -194,14 +194,20 @@ def _buffer(frame: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+_ALIGN = 64  # bytes; torch's CPU allocator and the shared-memory slots (shm.ALIGN) align so
+
+
 def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if buf.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only zmq buffers warn; we own them now
         t = torch.frombuffer(buf, dtype=dtype)
-    if t.data_ptr() % t.element_size():
-        t = t.clone()  # unaligned frame: copy rather than hand kernels a misaligned pointer
+    if t.data_ptr() % _ALIGN:
+        # A frame where ZeroMQ happened to put it (small ones land 4-byte aligned): copy it
+        # to torch's own 64-byte aligned memory, as kernels take other paths (and round
+        # otherwise) on unaligned inputs, and results must not depend on where bytes land.
+        t = t.clone()
     return t.view(shape)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from myelin.errors import MyelinError
 from myelin.offload.activations import ActivationStore
+from myelin.runtime.rng import LayerStreams
 
 __all__ = ["InputMismatch", "Stage", "as_tuple"]
 
@@ -58,9 +59,11 @@ class Stage:
         loss_fn: Callable[..., torch.Tensor],
         activations: ActivationStore | None = None,
         dtype: torch.dtype = torch.float32,
+        streams: LayerStreams | None = None,
     ) -> None:
         self.module = module
         self.activations = activations
+        self.streams = streams  # the layers' random streams (runtime/rng.py)
         self.dtype = dtype  # floating inputs are cast to it (bf16/fp16 training)
         self.loss_scale = 1.0  # fp16: the loss is multiplied by it before backward
         self.index = index
@@ -78,11 +81,13 @@ class Stage:
         target: Any = None,
         divisor: int = 1,
         page_out: bool = False,
+        share: float | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the forward of microbatch `mb`; on the last stage, also its loss.
 
         The loss is divided by `divisor` (the microbatch count) before its backward,
-        as in gradient accumulation. `page_out`: page what autograd saves out to host
+        as in gradient accumulation, or multiplied by `share` (its rows over the batch's)
+        when the batch split unevenly. `page_out`: page what autograd saves out to host
         memory (the backward is not next). Returns the outputs to send on (last stage: ()).
         """
         inputs = tuple(self._receive(t) for t in inputs)
@@ -91,8 +96,8 @@ class Stage:
             if self.activations is not None
             else contextlib.nullcontext()
         )
-        with saving:
-            outputs = as_tuple(self._run_module(inputs))
+        with saving, self._random():
+            outputs = as_tuple(self._run_module(tuple(_alias(t) for t in inputs)))
             if not self.is_last:
                 self._flights[mb] = _Flight(inputs, outputs)
                 return outputs
@@ -102,7 +107,7 @@ class Stage:
                 f"loss_fn must return a scalar tensor, got "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             )
-        scaled = loss.reshape(()) / divisor
+        scaled = loss.reshape(()) / divisor if share is None else loss.reshape(()) * share
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._flights[mb] = _Flight(inputs, (scaled,), loss.detach())
@@ -126,11 +131,16 @@ class Stage:
     ) -> tuple[torch.Tensor, ...] | float:
         """Forward only, keeping nothing for backward: outputs, or the loss on the last stage."""
         inputs = tuple(self._cast(t) for t in inputs)
-        outputs = as_tuple(self.module(*inputs))
-        if not self.is_last:
-            return outputs
-        loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
+        with self._random():
+            outputs = as_tuple(self.module(*inputs))
+            if not self.is_last:
+                return outputs
+            loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
         return float(loss)
+
+    def _random(self) -> contextlib.AbstractContextManager:
+        """The layers' own random streams while the module and the loss run."""
+        return self.streams.scope() if self.streams is not None else contextlib.nullcontext()
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on this device, floating point cast to the stage's dtype."""
@@ -218,6 +228,24 @@ class Stage:
         self._flights.clear()
         if self.activations is not None:
             self.activations.clear()
+
+
+class _Alias(torch.autograd.Function):
+    """The received tensor under another name: the same memory and gradient, but not a leaf,
+    so a stage whose first operation is in place (ReLU(inplace=True)) runs as it does in
+    one process, where that tensor is the output of the layer before."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    return _Alias.apply(t) if t.requires_grad else t
 
 
 def _output(outputs: tuple[torch.Tensor, ...], dtype: torch.dtype) -> Any:

@@ -36,7 +36,7 @@ def test_batch_that_does_not_split_fails_on_every_rank_before_work(tmp_path):
     for rank in (0, 1):
         err = job.results[rank]
         assert err["error_type"] == "ConfigError", err
-        assert "batch of 10 does not split into microbatches=4" in err["error"]
+        assert "batch of 3 rows cannot be split into microbatches=4" in err["error"]
 
 
 def test_world_size_that_is_not_stages_times_replicas(tmp_path):

@@ -1,0 +1,76 @@
+"""The gradients the optimizer steps from: fp32, summed over microbatches in fp32.
+
+In fp32 they are the parameters' own `.grad`. Under bf16/fp16 a parameter's gradient is
+half precision, and summing 64 microbatches in it costs more accuracy than the half-
+precision compute itself, so (as autocast users and Megatron do) each microbatch's
+gradient is added into an fp32 sum as soon as backward finishes it, and the parameter's
+`.grad` is cleared. The sum lives as the `.grad` of a *carrier*: an fp32 tensor of the
+parameter's shape that owns no memory of its own (a broadcast zero), so code that works on
+`.grad` of parameters (reducing over replicas, summing tied copies) works on carriers alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Gradients"]
+
+
+class Gradients:
+    """The fp32 gradient of each of `params`: `holders[i].grad`."""
+
+    def __init__(self, params: Sequence[nn.Parameter], half: bool) -> None:
+        self.params = list(params)
+        self.half = half
+        if not half:
+            self.holders: list[torch.Tensor] = self.params
+            return
+        self.holders = [_carrier(p) for p in self.params]
+        for p, carrier in zip(self.params, self.holders, strict=True):
+            p.register_post_accumulate_grad_hook(_summing_into(carrier))
+
+    def grad(self, i: int) -> torch.Tensor | None:
+        """Parameter `i`'s gradient so far, fp32 (None: none yet this step)."""
+        return self.holders[i].grad
+
+    def holders_of(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose `.grad` is the fp32 gradient of each of `params`."""
+        if not self.half:
+            return list(params)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [self.holders[index[id(p)]] for p in params]
+
+    def bytes_per_step(self) -> int:
+        """Bytes the step's gradients take on the device."""
+        size = 4 if self.half else None
+        return sum(p.numel() * (size or p.element_size()) for p in self.params)
+
+    def clear(self) -> None:
+        for t in self.params:
+            t.grad = None
+        if self.half:
+            for t in self.holders:
+                t.grad = None
+
+
+def _carrier(p: torch.Tensor) -> nn.Parameter:
+    """An fp32 tensor shaped as `p`, on its device, whose data is one broadcast zero."""
+    data = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
+    return nn.Parameter(data, requires_grad=False)
+
+
+def _summing_into(carrier: torch.Tensor):
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if carrier.grad is None:
+            carrier.grad = g.float()  # a copy: p.grad is half precision
+        else:
+            carrier.grad.add_(g)
+        p.grad = None
+
+    return hook

@@ -1,0 +1,142 @@
+"""Random streams of their own: one per layer and replica, so dropout is as random as in one
+process, repeats run to run, and does not depend on how the model is split.
+
+Layer i of replica r draws from a generator seeded from (seed, i, r), where seed is the
+script's `torch.initial_seed()` when the Trainer was built (what `torch.manual_seed` set).
+While a stage runs layer i, that layer's state is in torch's default generator (and the
+device's); the script's own state is put back after every forward, so it advances only by
+the script's own draws, alike on every rank (a DataLoader that shuffles with it shuffles
+alike on every stage of a replica). A one-stage model that runs its own forward (not split
+into layers) draws from one stream, "model". Streams are saved in checkpoints by layer, so
+they move with their layers to any other split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LayerStreams", "stream_seed"]
+
+MODEL = "model"  # the key of the one stream of a model that runs its own forward
+
+
+def stream_seed(seed: int, key: int | str, replica: int, salt: str = "") -> int:
+    """The seed of layer `key`'s stream in `replica`: 63 bits of SHA-256 of the three."""
+    text = f"{seed}/{key}/{replica}{salt}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+class LayerStreams:
+    """The streams of the layers one stage runs; `scope()` around each forward.
+
+    layers: (global index, module) of each layer this stage runs in order, or None when the
+    stage runs a whole model's own forward (one stream).
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        replica: int,
+        layers: Sequence[tuple[int, nn.Module]] | None,
+        device: torch.device,
+    ) -> None:
+        self.seed = seed
+        self.replica = replica
+        self.cuda = device if device.type == "cuda" else None
+        self.keys: list[int | str] = [i for i, _ in layers] if layers is not None else [MODEL]
+        self._states = {k: self._fresh(k) for k in self.keys}
+        self._current: int | str | None = None
+        self._hooks = []
+        for key, module in layers or ():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(key)))
+
+    def _fresh(self, key: int | str, salt: str = "") -> dict[str, torch.Tensor]:
+        seed = stream_seed(self.seed, key, self.replica, salt)
+        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+        if self.cuda is not None:
+            state["cuda"] = torch.Generator(self.cuda).manual_seed(seed).get_state()
+        return state
+
+    def _pre_hook(self, key: int | str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._current is not None:
+                self._switch(key)
+
+        return hook
+
+    def _switch(self, key: int | str) -> None:
+        """Keep the running stream's state, and make `key`'s the one torch draws from."""
+        if key == self._current:
+            return
+        self._store(self._current)
+        self._load(key)
+        self._current = key
+
+    def _store(self, key: int | str) -> None:
+        state = self._states[key]
+        state["cpu"] = torch.get_rng_state()
+        if self.cuda is not None:
+            state["cuda"] = torch.cuda.get_rng_state(self.cuda)
+
+    def _load(self, key: int | str) -> None:
+        state = self._states[key]
+        torch.set_rng_state(state["cpu"])
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(state["cuda"], self.cuda)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Run a forward on the layers' streams (the first layer's until the next layer
+        starts); the script's own generator state comes back afterwards."""
+        user = {"cpu": torch.get_rng_state()}
+        if self.cuda is not None:
+            user["cuda"] = torch.cuda.get_rng_state(self.cuda)
+        self._load(self.keys[0])
+        self._current = self.keys[0]
+        try:
+            yield
+        finally:
+            self._store(self._current)
+            self._current = None
+            torch.set_rng_state(user["cpu"])
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(user["cuda"], self.cuda)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each stream's generator state, by layer index (or "model")."""
+        return {
+            "replica": self.replica,
+            "streams": {str(k): dict(s) for k, s in self._states.items()},
+        }
+
+    def load_state_dict(self, streams: dict[str, dict[str, torch.Tensor]], steps: int) -> list[str]:
+        """Take the saved state of each of this stage's streams found in `streams`; the rest
+        start fresh (seeded also by `steps`, so they do not repeat the first steps' draws).
+        Returns the keys that started fresh."""
+        fresh = []
+        for key in self.keys:
+            saved = streams.get(str(key))
+            if saved is None:
+                self._states[key] = self._fresh(key, salt=f"/resumed at step {steps}")
+                fresh.append(str(key))
+                continue
+            state = {"cpu": saved["cpu"].clone()}
+            if self.cuda is not None:
+                cuda = saved.get("cuda")
+                fallback = self._fresh(key, salt=f"/resumed at step {steps}")["cuda"]
+                state["cuda"] = cuda.clone() if cuda is not None else fallback
+            self._states[key] = state
+        return fresh
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,286 @@
+"""Where a PyTorch user meets myelin in one process (issue 17): each test trains the same
+model, data and optimizer with myelin and with plain PyTorch doing gradient accumulation
+(tests/workers/_reference.py), and wants the same numbers. The multi-stage halves of these
+items are in tests/test_parity_pipeline.py."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import myelin
+from myelin import ConfigError, OffloadConfig, Trainer
+from tests.workers import _reference as reference
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+HOST = OffloadConfig(optimizer=True, bucket_bytes=1024)  # several buckets even here
+STREAM = OffloadConfig(optimizer="stream", bucket_bytes=1024)
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 32),
+        nn.Tanh(),
+        nn.LayerNorm(32),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Linear(32, 4),
+    )
+
+
+def batches(n, rows=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def run(model, batches_, *, optimizer=ADAMW, microbatches=4, **kwargs):
+    with Trainer(model, optimizer, F.cross_entropy, microbatches=microbatches, **kwargs) as t:
+        losses = [t.step(x, y) for x, y in batches_]
+        return losses, t.state_dict(), t
+
+
+# -- 17.1: state_dict under half precision gives the fp32 masters -----------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("offload", [None, HOST], ids=["device", "host"])
+def test_state_dict_under_half_precision_is_the_fp32_masters(precision, offload):
+    data = batches(3)
+    _, state, _ = run(mlp(), data, precision=precision, offload=offload)
+    scale = 2.0**16 if precision == "fp16" else None
+    model = mlp()
+    _, masters, _ = reference.train(
+        model, ADAMW, F.cross_entropy, data, 4, precision=precision, loss_scale=scale
+    )
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(state) == sorted(model.state_dict())
+    for name, master in zip(names, masters):
+        assert state[name].dtype == torch.float32, name
+        assert torch.equal(state[name], master), name
+    # the masters are not half-precision numbers: the export is not the rounded weights
+    assert any(not torch.equal(m, m.to(reference.DTYPES[precision]).float()) for m in masters)
+
+
+# -- 17.7: half-precision gradients are summed over microbatches in fp32 ----------------------
+
+
+def test_half_precision_sums_microbatch_gradients_in_fp32():
+    data = batches(2, rows=64)
+    losses, _, _ = run(mlp(), data, precision="bf16", microbatches=32)
+    want, _, _ = reference.train(mlp(), ADAMW, F.cross_entropy, data, 32, precision="bf16")
+    assert losses == want
+
+
+# -- 17.4: an optimizer factory that groups parameters by name --------------------------------
+
+
+def no_decay_for_biases_and_norms(params):
+    """The nanoGPT / transformers idiom, on the parameters myelin gives (by name)."""
+    named = list(params.named_parameters())
+    decay = [p for n, p in named if n.endswith("weight") and p.dim() >= 2]
+    plain = [p for n, p in named if not (n.endswith("weight") and p.dim() >= 2)]
+    groups = [{"params": decay, "weight_decay": 0.5}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"offload": HOST}, {"precision": "bf16"}], ids=["plain", "offload", "bf16"]
+)
+def test_an_optimizer_factory_can_group_parameters_by_name(kwargs):
+    data = batches(4)
+    losses, state, _ = run(mlp(), data, optimizer=no_decay_for_biases_and_norms, **kwargs)
+    model = mlp()
+
+    def by_name(masters):  # the same groups, built from the model's own names
+        named = [(n, m) for (n, _), m in zip(model.named_parameters(), masters)]
+        decay = [m for n, m in named if n.endswith("weight") and m.dim() >= 2]
+        plain = [m for n, m in named if not (n.endswith("weight") and m.dim() >= 2)]
+        groups = [{"params": decay, "weight_decay": 0.5}, {"params": plain, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-2)
+
+    precision = kwargs.get("precision", "fp32")
+    want, masters, _ = reference.train(
+        model, by_name, F.cross_entropy, data, 4, precision=precision
+    )
+    assert losses == want
+    for (name, _), master in zip(model.named_parameters(), masters):
+        assert torch.equal(state[name], master), name
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"offload": HOST}, {"precision": "bf16"}], ids=["plain", "offload", "bf16"]
+)
+def test_an_optimizer_over_parameters_it_was_not_given_is_refused(kwargs):
+    model = mlp()
+    other = mlp()  # e.g. a closure over another copy of the model, or over all stages
+
+    def closure(params):
+        return torch.optim.AdamW(other.parameters(), lr=1e-2)
+
+    with pytest.raises(ConfigError, match="not the parameters it was given"):
+        Trainer(model, closure, F.cross_entropy, **kwargs)
+
+
+# -- 17.5: Trainer(max_grad_norm=...) equals clip_grad_norm_ over the whole model ---------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"offload": HOST}, {"offload": STREAM}, {"precision": "bf16"}],
+    ids=["device", "host", "stream", "bf16"],
+)
+def test_max_grad_norm_equals_clip_grad_norm(kwargs):
+    data = batches(4)
+    losses, state, _ = run(mlp(), data, max_grad_norm=0.05, **kwargs)
+    model = mlp()
+    precision = kwargs.get("precision", "fp32")
+    want, masters, _ = reference.train(
+        model, ADAMW, F.cross_entropy, data, 4, precision=precision, max_grad_norm=0.05
+    )
+    unclipped, _, _ = reference.train(mlp(), ADAMW, F.cross_entropy, data, 4, precision=precision)
+    assert want != unclipped  # the norm is small enough to clip
+    assert losses == want
+    for (name, _), master in zip(model.named_parameters(), masters):
+        assert torch.equal(state[name], master), name
+
+
+def test_max_grad_norm_is_checked():
+    with pytest.raises(ConfigError, match="max_grad_norm=0"):
+        Trainer(mlp(), ADAMW, F.cross_entropy, max_grad_norm=0)
+
+
+# -- 17.6: resuming with an LR scheduler gives the same next losses ---------------------------
+
+
+def warmup_cosine(optimizer):
+    def factor(step):
+        return (step + 1) / 3 if step < 3 else 0.5 * (1 + math.cos(math.pi * min(1, step / 8)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def steps(trainer, data):
+    """Train on `data`, stepping the trainer's LR scheduler after each step as fit does."""
+    losses = []
+    for x, y in data:
+        losses.append(trainer.step(x, y))
+        trainer.lr_scheduler.step()
+    return losses
+
+
+@pytest.mark.parametrize("offload", [None, HOST], ids=["device", "host"])
+def test_resume_with_an_lr_scheduler_continues_the_same_losses(tmp_path, offload):
+    data = batches(8)
+    kw = dict(microbatches=4, lr_schedule=warmup_cosine, offload=offload)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, **kw) as t:
+        whole = steps(t, data)
+    want, _, _ = reference.train(mlp(), ADAMW, F.cross_entropy, data, 4, scheduler=warmup_cosine)
+    assert whole == want
+    with Trainer(mlp(), ADAMW, F.cross_entropy, **kw) as t:
+        first = steps(t, data[:4])
+        t.save(tmp_path)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, resume=tmp_path, **kw) as t:
+        assert t.lr_scheduler.last_epoch == 4
+        assert t.optimizer.param_groups[0]["lr"] == t.lr_scheduler.get_last_lr()[0]
+        rest = steps(t, data[4:])
+    assert first + rest == whole
+
+
+def test_a_scheduler_built_after_resuming_continues_from_the_checkpoint(tmp_path):
+    """The scheduler built on the resumed trainer (trainer.set_lr_schedule, as fit builds
+    its lr_schedule) keeps the checkpoint's learning rate, not its own first one."""
+    data = batches(6)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        t.set_lr_schedule(warmup_cosine)
+        whole = steps(t, data)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        t.set_lr_schedule(warmup_cosine)
+        steps(t, data[:3])
+        t.save(tmp_path)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, resume=tmp_path) as t:
+        t.set_lr_schedule(warmup_cosine)
+        assert steps(t, data[3:]) == whole[3:]
+
+
+# -- 17.9: a DataLoader's short last batch -----------------------------------------------------
+
+
+def loader(n, batch_size=8, **kw):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, torch.randint(0, 4, (n,), generator=g)), batch_size, **kw)
+
+
+def test_fit_and_evaluate_take_a_short_last_batch():
+    data = loader(22)  # batches of 8, 8 and 6 rows: 6 splits into 2, 2, 1, 1
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        history = t.fit(data, epochs=2, log_every=1, progress=False)
+        val = t.evaluate(data)
+        state = t.state_dict()
+    model = mlp()
+    want, _, _ = reference.train(model, ADAMW, F.cross_entropy, list(data) * 2, 4)
+    assert [h["loss"] for h in history] == want
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name
+    with torch.no_grad():  # the mean over every row, as a batch of 22 would give
+        rows = [(F.cross_entropy(model(x), y, reduction="sum"), len(y)) for x, y in data]
+        per_batch = [float(s) / n for s, n in rows]
+    assert val == pytest.approx(sum(per_batch) / len(per_batch), rel=1e-6)
+
+
+def test_a_last_batch_smaller_than_the_microbatches_is_refused_before_training():
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        with pytest.raises(ConfigError, match="3 rows.*microbatches=4.*drop_last=True"):
+            t.fit(loader(19), progress=False)  # 8, 8, 3
+        assert t.steps_done == 0
+        t.fit(loader(19, drop_last=True), progress=False)
+        assert t.steps_done == 2
+
+
+def test_fit_callbacks_hear_of_every_step():
+    """A per-step scheduler steps in on_step_end, whatever log_every is."""
+    data = loader(64)
+
+    class EachStep(myelin.Callback):
+        def __init__(self, scheduler):
+            self.scheduler, self.seen = scheduler, []
+
+        def on_step_end(self, trainer, step, loss):
+            self.scheduler.step()
+            self.seen.append((step, loss))
+
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        each = EachStep(warmup_cosine(t.optimizer))
+        history = t.fit(data, log_every=4, progress=False, callbacks=[each])
+    want, _, _ = reference.train(
+        mlp(), ADAMW, F.cross_entropy, list(data), 4, scheduler=warmup_cosine
+    )
+    assert [s for s, _ in each.seen] == list(range(1, 9))
+    assert [loss for _, loss in each.seen] == want
+    assert [h["step"] for h in history] == [4, 8]
+
+
+# -- 17.2 (one process): myelin's dropout does not draw from the user's generator ----------------
+
+
+def test_training_leaves_the_users_random_generator_alone():
+    """Each layer draws from a stream of its own, so every rank's global generator (and a
+    DataLoader shuffling with it) advances only by the script's own draws."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with Trainer(copy.deepcopy(model), ADAMW, F.cross_entropy, microbatches=4) as t:
+        for x, y in batches(2):
+            t.step(x, y)
+        assert torch.equal(torch.get_rng_state(), before)
