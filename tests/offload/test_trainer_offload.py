@@ -122,6 +122,24 @@ def test_one_process_pages_layer_by_layer_to_a_quarter_of_the_peak(given):
     assert stats["fetch_ahead"] == 1
 
 
+def test_backward_waiting_for_pages_is_recorded_as_offload_wait():
+    """fetch_ahead=0 brings nothing back ahead of backward: every page is a miss, and each
+    wait is an offload_wait record inside the backward that waited."""
+    off = myelin.OffloadConfig(activations=True, fetch_ahead=0)
+    torch.manual_seed(0)
+    with myelin.Trainer(GPT(DEEP), torch.optim.AdamW, lm_loss, microbatches=2, offload=off) as t:
+        t.timeline.enabled = True
+        x = torch.randint(0, DEEP.vocab_size, (16, DEEP.block_size + 1))
+        t.step(x[:, :-1], x[:, 1:])
+        spans, stats = t.timeline.spans, t.memory_stats()
+    waits = [s for s in spans if s.kind == "offload" and s.cause == "offload_wait"]
+    backwards = [s for s in spans if s.kind == "backward"]
+    assert stats["prefetch_hits"] == 0 and stats["prefetch_misses"] > 0
+    assert len(waits) == stats["prefetch_misses"]
+    assert stats["offload_wait_seconds"] == pytest.approx(sum(w.end - w.start for w in waits))
+    assert all(any(b.start <= w.start <= w.end <= b.end for b in backwards) for w in waits)
+
+
 def test_memory_stats_report_what_moved():
     both = myelin.OffloadConfig(activations=True, optimizer=True)
     _, _, stats = train(BIG, offload=both)
