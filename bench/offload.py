@@ -1,39 +1,57 @@
-"""Offload to host memory: tokens/s and peak device bytes, myelin's offloads vs save_on_cpu.
+"""Offload to host memory: tokens/s and peak device bytes, myelin's offloads vs torch's.
 
-    python3 bench/offload.py            # ~2.5 minutes, writes bench/results/offload.json
-    python3 bench/offload.py --quick    # well under a minute (both longer on a busy machine)
+    python3 bench/offload.py                        # both sections, ~8 minutes
+    python3 bench/offload.py --section pipeline     # ~2.5 minutes, bench/results/offload.json
+    python3 bench/offload.py --section one-process  # ~5 minutes, .../offload_one_process.json
+    python3 bench/offload.py --quick                # a smoke run of both (longer when busy)
 
 Every configuration trains the same GPT (myelin.models.GPT, vocab 256, same seed; sized so
-saved activations dominate: 4 layers, d_model 128, 256-token sequences) on the same
-batches with AdamW, under schedule="gpipe" so the saved activations of every microbatch
-are in flight at once before the first backward (2 stages by default, `--stages 1` runs
-the Trainer in one process):
+saved activations dominate) on the same batches with AdamW. Two sections:
+
+pipeline (2 stages by default): 4 layers, d_model 128, 256-token sequences, batch 16 in 8
+microbatches under schedule="gpipe", so the saved activations of every microbatch are in
+flight at once before the first backward:
 
 - none: `myelin.Trainer(...)`, nothing offloaded;
 - activations: `offload=OffloadConfig(activations=True)`, saved activations paged out
-  to the host pool after each forward and prefetched back before their backward;
+  to the host pool as the forward makes them and prefetched back before their backward;
 - optimizer: `offload=OffloadConfig(optimizer=True)` ("host" on a CPU: state, fp32
   master weights and the update in the host pool);
 - both: the two together;
 - torch / torch save_on_cpu: the peer, a plain single-process torch loop over the same
   microbatches with gradient accumulation, without and with
-  `torch.autograd.graph.save_on_cpu()` around each forward. It runs `--peer-threads`
-  torch threads (default 1, as each pipeline rank: two threads on a 2-core machine shared
-  with other work wait at every parallel region for a descheduled thread).
+  `torch.autograd.graph.save_on_cpu()` around each forward.
+
+one-process (`stages=1`, the commonest user: one device, a model that does not fit): 12
+layers, batch 16 in 2 microbatches, the default message-driven schedule, so each backward
+follows its forward at once and only paging within the microbatch, layer by layer, can
+lower the peak. none, activations and both as above, and torch's own answers in the plain
+loop: torch, torch save_on_cpu, and torch checkpoint (`torch.utils.checkpoint` around each
+block, non-reentrant: the blocks' activations are recomputed in backward). Then a depth
+sweep: under `--sweep-limit` (device_memory_limit, 64MiB), the deepest GPT (doubling, then
+bisecting the layer count) that trains two steps with none and with both, and its
+parameter count.
+
+The torch loops run `--peer-threads` torch threads (default 1, as each myelin rank: two
+threads on a 2-core machine shared with other work wait at every parallel region for a
+descheduled thread).
 
 Tokens/s is the median over the timed steps of one step's tokens over the seconds between
 consecutive step ends (on rank 0). Peak device bytes is the max over ranks of
 `trainer.memory_stats()["device_peak_bytes"]`: on a CPU the runtime's accounting of
 parameters, gradients, optimizer state and saved activations resident on the "device".
-For the torch loop the same sum is estimated: parameters + gradients + AdamW state + the
+For the torch loops the same sum is estimated: parameters + gradients + AdamW state + the
 saved activations of one microbatch (its peak: gradient accumulation runs each backward
-right after its forward), counted by a saved_tensors_hooks counter in one untimed step.
-save_on_cpu has no figure on a CPU: `.cpu()` of a CPU tensor is the tensor itself, so
-nothing moves (on a GPU it would take every saved activation off the device).
-Prefetch hits/misses and offload wait are per timed step, summed over ranks (wait: the
-max over ranks). After the timed rounds each myelin job runs 3 more steps with its
-timeline recording, whose median splits a step's time per rank into forward (page-out copies
-included), backward, optimizer, prefetch copies and fetch waits, and idle time.
+right after its forward), counted by a saved_tensors_hooks counter in one untimed step;
+under checkpointing, what is saved outside the blocks, each block's input (kept for the
+recomputation) and one block's saved activations (recomputed in backward). save_on_cpu
+has no figure on a CPU: `.cpu()` of a CPU tensor is the tensor itself, so nothing moves
+(on a GPU it would take every saved activation off the device). Losses: every
+configuration's step losses, which must equal none's. Prefetch hits/misses and offload
+wait are per timed step, summed over ranks (wait: the max over ranks). After the timed
+rounds each myelin job runs 3 more steps with its timeline recording, whose median splits
+a step's time per rank into forward (page-out copies included), backward, optimizer,
+prefetch copies and fetch waits, and idle time.
 
 Each configuration is its own set of processes (spawned with subprocess, rendezvous on a
 free loopback port), started together and warmed up, then told over stdin to run its
@@ -67,20 +85,36 @@ from _harness import (
     write_json,
 )
 
-SCHEDULE = "gpipe"
 MAX_COST = 0.15  # the target: both offloads cost at most 15% of tokens/s against none
 MIN_SHRINK = 4.0  # ... and the peak device bytes with both is at most 1/4 of none's
+MIN_DEPTH_GAIN = 4.0  # one process: the deepest GPT that trains has 4x the parameters
 NOISY = 0.1  # other processes' share of the CPUs during the turns above which to warn
 DIAGNOSE_STEPS = 3  # steps with the timeline on after the timed rounds (their median)
 
-# name -> (kind, OffloadConfig fields); kind "myelin" is a Trainer, "torch" the plain loop.
-CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "none": ("myelin", {}),
-    "activations": ("myelin", {"activations": True}),
-    "optimizer": ("myelin", {"optimizer": True}),
-    "both": ("myelin", {"activations": True, "optimizer": True}),
-    "torch": ("torch", {}),
-    "torch save_on_cpu": ("torch", {"save_on_cpu": True}),
+# section -> name -> (kind, options); kind "myelin" is a Trainer (options: OffloadConfig
+# fields), "torch" the plain loop.
+SECTIONS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
+    "pipeline": {
+        "none": ("myelin", {}),
+        "activations": ("myelin", {"activations": True}),
+        "optimizer": ("myelin", {"optimizer": True}),
+        "both": ("myelin", {"activations": True, "optimizer": True}),
+        "torch": ("torch", {}),
+        "torch save_on_cpu": ("torch", {"save_on_cpu": True}),
+    },
+    "one-process": {
+        "none": ("myelin", {}),
+        "activations": ("myelin", {"activations": True}),
+        "both": ("myelin", {"activations": True, "optimizer": True}),
+        "torch": ("torch", {}),
+        "torch save_on_cpu": ("torch", {"save_on_cpu": True}),
+        "torch checkpoint": ("torch", {"checkpoint": True}),
+    },
+}
+# The shape of each section unless flags say otherwise.
+DEFAULTS = {
+    "pipeline": {"stages": 2, "layers": 4, "microbatches": 8, "schedule": "gpipe"},
+    "one-process": {"stages": 1, "layers": 12, "microbatches": 2, "schedule": "message-driven"},
 }
 
 
@@ -88,6 +122,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 class Plan:
     """What one run measures: model and batch shape, pipeline, offload knobs, how long."""
 
+    section: str  # a key of SECTIONS
+    schedule: str
     layers: int
     d_model: int
     heads: int
@@ -102,15 +138,21 @@ class Plan:
     rounds: int
     warmup: int  # steps per configuration run once before the first round, not timed
     timeout_s: float  # longest any one command to a worker may take
+    sweep_limit: str  # one process: the device_memory_limit of the depth sweep
+    sweep_max: int  # ... and the most layers it tries
+
+    @property
+    def configs(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        return SECTIONS[self.section]
 
     def ranks(self, name: str) -> int:
-        return self.stages if CONFIGS[name][0] == "myelin" else 1
+        return self.stages if self.configs[name][0] == "myelin" else 1
 
 
 # -- the workload every configuration shares --------------------------------------------
 
 
-def build_model(plan: Plan) -> Any:
+def build_model(plan: Plan, layers: int | None = None) -> Any:
     """The GPT every configuration trains, with the same initial weights in every process."""
     import torch
 
@@ -120,7 +162,7 @@ def build_model(plan: Plan) -> Any:
     cfg = GPTConfig(
         vocab_size=256,
         block_size=plan.seq,
-        n_layer=plan.layers,
+        n_layer=layers or plan.layers,
         n_head=plan.heads,
         d_model=plan.d_model,
     )
@@ -156,7 +198,8 @@ Step = Callable[[list[tuple[Any, Any]]], None]
 class MyelinWorker:
     """One rank of a myelin.Trainer with the configuration's offload."""
 
-    def __init__(self, plan: Plan, offload: dict[str, Any]) -> None:
+    def __init__(self, plan: Plan, offload: dict[str, Any], layers: int | None = None,
+                 limit: str | None = None) -> None:  # fmt: skip
         import torch
 
         import myelin
@@ -165,22 +208,24 @@ class MyelinWorker:
         off = None
         if offload:
             off = myelin.OffloadConfig(**offload, min_bytes=plan.min_bytes, prefetch=plan.prefetch)
+        self.model = build_model(plan, layers)
         self.trainer = myelin.Trainer(
-            build_model(plan),
+            self.model,
             optimizer=partial(torch.optim.AdamW, lr=1e-3),
             loss_fn=lm_loss,
             stages=plan.stages,
             microbatches=plan.microbatches,
-            schedule=SCHEDULE,
+            schedule=plan.schedule,
             timeout=plan.timeout_s,
             offload=off,
             precision="fp32",
-            device_memory_limit=None,
+            device_memory_limit=limit,
         )
         self.rank = self.trainer.rank
+        self.losses: list[float] = []
 
     def step(self, mbs: list[tuple[Any, Any]]) -> None:
-        self.trainer.step([x for x, _ in mbs], [y for _, y in mbs])
+        self.losses.append(self.trainer.step([x for x, _ in mbs], [y for _, y in mbs]))
 
     def stats(self) -> dict[str, Any]:
         return self.trainer.memory_stats()
@@ -207,7 +252,8 @@ class MyelinWorker:
 
 
 class TorchWorker:
-    """The peer: one process, gradient accumulation, optionally save_on_cpu."""
+    """The peer: one process, gradient accumulation, optionally save_on_cpu or activation
+    checkpointing of each block."""
 
     def __init__(self, plan: Plan, options: dict[str, Any]) -> None:
         import torch
@@ -219,22 +265,34 @@ class TorchWorker:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.loss_fn = lm_loss
         self.save_on_cpu = bool(options.get("save_on_cpu"))
+        self.checkpoint = bool(options.get("checkpoint"))
         self.saved_peak = 0  # bytes autograd saved for one microbatch, at most
+        self.recomputed = 0  # checkpointing: block inputs kept, one block's saved bytes
+        self.losses: list[float] = []
 
     def _forward(self, x: Any) -> Any:
         import torch
+        from torch.utils.checkpoint import checkpoint
 
-        if not self.save_on_cpu:
+        if self.save_on_cpu:
+            with torch.autograd.graph.save_on_cpu(pin_memory=False):
+                return self.model(x)
+        if not self.checkpoint:
             return self.model(x)
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            return self.model(x)
+        h = self.model.embed(x)
+        for block in self.model.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.model.head(h)
 
     def step(self, mbs: list[tuple[Any, Any]]) -> None:
+        losses = []
         for x, y in mbs:
-            logits = self._forward(x)
-            (self.loss_fn(logits, y) / len(mbs)).backward()
+            loss = self.loss_fn(self._forward(x), y)
+            losses.append(float(loss))
+            (loss / len(mbs)).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.losses.append(sum(losses) / len(losses))  # as myelin: the mean of the losses
 
     def count_saved(self, mbs: list[tuple[Any, Any]]) -> None:
         """One untimed step whose forwards count the distinct storages autograd saves
@@ -242,19 +300,28 @@ class TorchWorker:
         import torch
 
         params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        for x, y in mbs:
+
+        def counted(fn: Callable[[], Any]) -> tuple[Any, int]:
             seen: dict[int, int] = {}
 
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            def pack(t: torch.Tensor) -> torch.Tensor:
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in params:
                     seen[ptr] = t.untyped_storage().nbytes()
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                logits = self.model(x)
-                loss = self.loss_fn(logits, y) / len(mbs)
-            self.saved_peak = max(self.saved_peak, sum(seen.values()))
+                out = fn()
+            return out, sum(seen.values())
+
+        for x, y in mbs:
+            loss, saved = counted(lambda x=x, y=y: self.loss_fn(self._forward(x), y) / len(mbs))
+            self.saved_peak = max(self.saved_peak, saved)
+            if self.checkpoint:  # block inputs stay for the recomputation; one block's
+                h = self.model.embed(x)  # saved activations come back at a time
+                _, block = counted(lambda h=h: self.model.blocks[0](h))
+                kept = len(self.model.blocks) * h.numel() * h.element_size()
+                self.recomputed = max(self.recomputed, kept + block)
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -269,11 +336,12 @@ class TorchWorker:
             for t in s.values()
             if hasattr(t, "dim") and t.dim() > 0
         )
-        peak = None if self.save_on_cpu else 2 * nbytes + state + self.saved_peak
+        saved = self.saved_peak + self.recomputed
+        peak = None if self.save_on_cpu else 2 * nbytes + state + saved
         return {
             "device_peak_bytes": peak,
             "device_peak_measured_by": "estimate" if peak is not None else None,
-            "saved_activations_peak_bytes": self.saved_peak,
+            "saved_activations_peak_bytes": saved,
             "parameter_bytes": nbytes,
             "optimizer_state_bytes": state,
         }
@@ -292,12 +360,18 @@ def serve(name: str, plan: Plan) -> None:
 
     Commands come one JSON line at a time on stdin: {"first", "count"} runs `count` steps
     from step `first`; {"diagnose"} runs the last batches with the timeline on. Every
-    rank answers with its step times, CPU seconds and memory stats.
+    rank answers with its step times, losses, CPU seconds and memory stats.
     """
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    kind, options = CONFIGS[name]
+    if name == "sweep":
+        reply({"ready": True, "stats": {}})
+        for line in sys.stdin:
+            if json.loads(line).get("sweep"):
+                reply({"sweep": depth_sweep(plan)})
+        return
+    kind, options = plan.configs[name]
     worker = MyelinWorker(plan, options) if kind == "myelin" else TorchWorker(plan, options)
     batches = make_batches(plan)
     timed_steps(worker.step, batches[: max(plan.warmup - 1, 0)])
@@ -318,11 +392,68 @@ def serve(name: str, plan: Plan) -> None:
             continue
         todo = batches[cmd["first"] : cmd["first"] + cmd["count"]]
         cpu0 = time.process_time()  # every thread of this process
+        before = len(worker.losses)
         seconds = timed_steps(worker.step, todo)
         cpu = time.process_time() - cpu0
         tokens = [tokens_of(mbs) for mbs in todo]
-        reply({"seconds": seconds, "tokens": tokens, "cpu_s": cpu, "stats": worker.stats()})
+        reply({"seconds": seconds, "tokens": tokens, "cpu_s": cpu, "stats": worker.stats(),
+               "losses": worker.losses[before:]})  # fmt: skip
     worker.close()
+
+
+# -- one process: the deepest model that trains under a device memory limit --------------
+
+
+def depth_sweep(plan: Plan) -> dict[str, Any]:
+    """For none and both: the most layers (doubling, then bisecting up to `sweep_max`)
+    with which the GPT trains two steps under `sweep_limit`, and its parameter count."""
+    offloads = {"none": {}, "both": {"activations": True, "optimizer": True}}
+    return {name: _deepest(plan, name, offload) for name, offload in offloads.items()}
+
+
+def _deepest(plan: Plan, name: str, offload: dict[str, Any]) -> dict[str, Any]:
+    probes: dict[int, dict[str, Any]] = {}
+
+    def fits(layers: int) -> bool:
+        if layers not in probes:
+            probes[layers] = _probe(plan, layers, offload)
+            print(f"sweep {name:5} {layers:3d} layers: {probes[layers]}", file=sys.stderr)
+        return probes[layers]["fits"]
+
+    lo, hi = 0, 1
+    while hi <= plan.sweep_max and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, plan.sweep_max + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    deepest = probes.get(lo, {})
+    return {
+        "layers": lo,
+        "params": deepest.get("params", 0),
+        "peak_bytes": deepest.get("peak_bytes"),
+        "capped": lo == plan.sweep_max,
+        "probes": {str(k): v for k, v in sorted(probes.items())},
+    }
+
+
+def _probe(plan: Plan, layers: int, offload: dict[str, Any]) -> dict[str, Any]:
+    """Whether the GPT with `layers` layers trains two steps under the sweep's limit."""
+    import myelin
+
+    worker = MyelinWorker(plan, offload, layers=layers, limit=plan.sweep_limit)
+    params = sum(p.numel() for p in worker.model.parameters())
+    start = time.perf_counter()
+    try:
+        for mbs in make_batches(plan)[:2]:
+            worker.step(mbs)
+        peak = worker.stats()["device_peak_bytes"]
+    except myelin.DeviceMemoryError as exc:
+        return {"fits": False, "params": params, "error": str(exc).split(" (resident")[0]}
+    finally:
+        worker.close()
+    return {"fits": True, "params": params, "peak_bytes": peak,
+            "step_s": (time.perf_counter() - start) / 2}  # fmt: skip
 
 
 # -- the parent: one Job per configuration, taking turns --------------------------------
@@ -333,8 +464,10 @@ class Job(Workers):
 
     def __init__(self, name: str, plan: Plan, tmp: str) -> None:
         argv = [sys.executable, __file__, "--worker", name, "--plan", json.dumps(asdict(plan))]
-        threads = 1 if CONFIGS[name][0] == "myelin" else plan.peer_threads
-        super().__init__(name, argv, plan.ranks(name), tmp, threads, plan.timeout_s)
+        sweep = name == "sweep"
+        threads = 1 if sweep or plan.configs[name][0] == "myelin" else plan.peer_threads
+        ranks = 1 if sweep else plan.ranks(name)
+        super().__init__(name, argv, ranks, tmp, threads, plan.timeout_s)
 
 
 def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:
@@ -342,13 +475,14 @@ def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:
     jobs: dict[str, Job] = {}
     got: dict[str, dict[str, Any]] = {}
     try:
-        for name in CONFIGS:  # started together: start-up and warm-up are not measured
+        for name in plan.configs:  # started together: start-up and warm-up are not measured
             jobs[name] = Job(name, plan, tmp)
         for name, job in jobs.items():
             got[name] = {k: [] for k in ("seconds", "tokens", "cpu_s", "load", "others", "rounds")}
+            got[name]["losses"] = {}
             got[name]["ready"] = [r["stats"] for r in job.wait()]
         print(f"{len(jobs)} configurations started and warmed up", flush=True)
-        order = list(CONFIGS)
+        order = list(plan.configs)
         for r in range(plan.rounds):
             first = plan.warmup + r * plan.steps
             for name in order if r % 2 == 0 else reversed(order):
@@ -363,6 +497,7 @@ def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:
                 cpu = sum(x["cpu_s"] for x in replies)
                 mine["seconds"] += data["seconds"]
                 mine["tokens"] += data["tokens"]
+                mine["losses"].update(zip(range(first, first + plan.steps), data["losses"]))
                 mine["cpu_s"].append(cpu)
                 mine["load"].append(load)
                 if busy is not None:  # CPU seconds other processes took during the turn
@@ -379,6 +514,13 @@ def measure(plan: Plan, tmp: str) -> dict[str, dict[str, Any]]:
         for name, job in jobs.items():
             replies = job.ask({"diagnose": True})
             got[name]["diagnose"] = [x["diagnose"] for x in replies]
+            job.close()
+        if plan.section == "one-process":  # alone on the machine, after the timed rounds
+            print(f"depth sweep under device_memory_limit={plan.sweep_limit}", flush=True)
+            jobs["sweep"] = sweep = Job("sweep", plan, tmp)
+            sweep.wait()
+            sweep.timeout_s = 20 * plan.timeout_s
+            got["sweep"] = sweep.ask({"sweep": True})[0]["sweep"]
         return got
     finally:
         for job in jobs.values():
@@ -431,11 +573,12 @@ def summarize(name: str, data: dict[str, Any], plan: Plan) -> dict[str, Any]:
     }
     for key in ("host_pool_peak_bytes", "activations_offloaded_bytes", "optimizer_host_bytes"):
         out[key] = sum(s.get(key, 0) for s in stats)
-    myelin = CONFIGS[name][0] == "myelin"
+    myelin = plan.configs[name][0] == "myelin"
     for key, total in (("prefetch_hits", sum), ("prefetch_misses", sum),
                        ("offload_wait_seconds", max)):  # fmt: skip
         out[f"{key}_per_step"] = total(_per_step(data, key, plan)) if myelin else None
     out["diagnose"] = data["diagnose"]
+    out["losses"] = [data["losses"][k] for k in sorted(data["losses"])]
     out["stats_per_rank"] = stats
     out["raw"] = {k: data[k] for k in ("seconds", "tokens", "cpu_s", "load", "others", "rounds")}
     return out
@@ -443,7 +586,7 @@ def summarize(name: str, data: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 def report(plan: Plan, got: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The table, the diagnostic breakdown and the targets; what goes into the JSON."""
-    results = {name: summarize(name, data, plan) for name, data in got.items()}
+    results = {name: summarize(name, got[name], plan) for name in plan.configs}
     base = results["none"]
     base_rate, base_peak = base["tokens_per_s"]["median"], base["device_peak_bytes"]
     rows = []
@@ -467,7 +610,7 @@ def report(plan: Plan, got: dict[str, dict[str, Any]]) -> dict[str, Any]:
         )
     steps = len(base["step_s"]["samples"])
     title = (
-        f"{plan.stages}-stage {SCHEDULE} GPT ({plan.layers} layers, d_model {plan.d_model}, "
+        f"{plan.stages}-stage {plan.schedule} GPT ({plan.layers} layers, d_model {plan.d_model}, "
         f"seq {plan.seq}, batch {plan.batch} in {plan.microbatches} microbatches): tokens/s, "
         f"median of {steps} steps; device peak max over ranks"
     )
@@ -485,26 +628,35 @@ def report(plan: Plan, got: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "(all ranks' threads; less blurred by other work than tokens/s); others = median share "
         "of the machine's CPUs other processes used during the turns (0% on a quiet machine)\n"
         "CPU seconds per step vs none: "
-        + ", ".join(f"{n} {v:.3f}x" for n, v in cpu.items() if CONFIGS[n][0] == "myelin")
+        + ", ".join(f"{n} {v:.3f}x" for n, v in cpu.items() if plan.configs[n][0] == "myelin")
         + f"\ntorch save_on_cpu vs torch: {soc:.3f}x tokens/s (on a CPU it moves nothing); "
         f"torch (grad accumulation, 1 microbatch in flight) saves "
         f"{_mib(got['torch']['stats'][0]['saved_activations_peak_bytes'])} MiB of activations"
     )
-    _print_breakdown(results)
+    _print_breakdown(results, plan)
     out = {"configs": results, "save_on_cpu_vs_torch": soc, "cpu_vs_none": cpu}
-    out["targets"] = targets(results)
+    out["losses_equal_none"] = {
+        name: r["losses"] == base["losses"] for name, r in results.items() if name != "none"
+    }
+    same = out["losses_equal_none"]
+    print("\nstep losses equal to none's: " + ", ".join(
+        f"{n} {'yes' if ok else 'NO'}" for n, ok in same.items()))  # fmt: skip
+    if "sweep" in got:
+        out["depth_sweep"] = got["sweep"]
+        _print_sweep(got["sweep"], plan)
+    out["targets"] = targets(results, out, plan)
     print()
     for target in out["targets"].values():
         print(f"{'PASS' if target['pass'] else 'MISS'}  {target['text']}")
     return out
 
 
-def _print_breakdown(results: dict[str, Any]) -> None:
+def _print_breakdown(results: dict[str, Any], plan: Plan) -> None:
     """Where one step's time went on each rank (the diagnostic step, timeline on)."""
     keys = ("forward", "backward", "optimizer", "prefetch", "fetch_wait", "wait", "send", "recv")
     rows = []
     for name, r in results.items():
-        if CONFIGS[name][0] != "myelin":
+        if plan.configs[name][0] != "myelin":
             continue
         for rank, d in enumerate(r["diagnose"]):
             rows.append([f"{name} r{rank}", f"{d['step']:.3f}"]
@@ -516,18 +668,34 @@ def _print_breakdown(results: dict[str, Any]) -> None:
     print_table(["config rank", "step", *keys], rows, title)
 
 
-def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _print_sweep(sweep: dict[str, Any], plan: Plan) -> None:
+    rows = []
+    for name, r in sweep.items():
+        probes = sorted(r["probes"].items(), key=lambda kv: int(kv[0]))
+        tried = ", ".join(f"{k}{'' if p['fits'] else ' (no)'}" for k, p in probes)
+        rows.append([name, r["layers"] if not r["capped"] else f">={r['layers']}",
+                     f"{r['params'] / 1e6:.2f}", _mib(r["peak_bytes"]), tried])  # fmt: skip
+    title = (
+        f"depth sweep: the deepest GPT (d_model {plan.d_model}, seq {plan.seq}, batch "
+        f"{plan.batch} in {plan.microbatches}) that trains 2 steps under "
+        f"device_memory_limit={plan.sweep_limit}"
+    )
+    print_table(["config", "layers", "M params", "peak MiB", "layers tried"], rows, title)
+
+
+def targets(results: dict[str, Any], out: dict[str, Any], plan: Plan) -> dict[str, dict[str, Any]]:
     """The targets, judged on medians from this same run (the paired figure alongside)."""
     both = results["both"]
     cost, paired = 1 - both["vs_none"], 1 - both["vs_none_paired"]
-    return {
+    max_cost = MAX_COST
+    found = {
         "tokens_per_s_cost_both": {
-            "text": f"both offloads cost <= {100 * MAX_COST:.0f}% of tokens/s against none "
+            "text": f"both offloads cost <= {100 * max_cost:.0f}% of tokens/s against none "
             f"(got {100 * cost:.1f}%; paired by round {100 * paired:.1f}%)",
             "got": cost,
             "paired": paired,
-            "limit": MAX_COST,
-            "pass": cost <= MAX_COST,
+            "limit": max_cost,
+            "pass": cost <= max_cost,
         },
         "device_peak_shrink_both": {
             "text": f"peak device bytes with both <= 1/{MIN_SHRINK:.0f} of none "
@@ -537,6 +705,40 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "pass": both["peak_shrink"] >= MIN_SHRINK,
         },
     }
+    mine = [n for n in results if plan.configs[n][0] == "myelin" and n != "none"]
+    same = all(out["losses_equal_none"][n] for n in mine)
+    found["losses_identical"] = {
+        "text": f"losses of {', '.join(mine)} identical to none's at every step",
+        "pass": same,
+    }
+    if plan.section != "one-process":
+        return found
+    soc = results["torch save_on_cpu"]
+    vs = both["tokens_per_s"]["median"] / soc["tokens_per_s"]["median"]
+    paired_soc = statistics.median(
+        a / b for a, b in zip(both["raw"]["rounds"], soc["raw"]["rounds"])
+    )
+    found["tokens_per_s_vs_save_on_cpu"] = {
+        "text": f"both's tokens/s >= torch save_on_cpu's (got {vs:.3f}x; paired by round "
+        f"{paired_soc:.3f}x)",
+        "got": vs,
+        "paired": paired_soc,
+        "limit": 1.0,
+        "pass": vs >= 1.0,
+    }
+    sweep = out.get("depth_sweep")
+    if sweep:
+        gain = sweep["both"]["params"] / max(sweep["none"]["params"], 1)
+        capped = " (both at the sweep's cap: more)" if sweep["both"]["capped"] else ""
+        found["depth_sweep_params"] = {
+            "text": f"deepest GPT under {plan.sweep_limit} with both has >= "
+            f"{MIN_DEPTH_GAIN:.0f}x the parameters of the deepest with none (got "
+            f"{gain:.2f}x: {sweep['both']['layers']} vs {sweep['none']['layers']} layers){capped}",
+            "got": gain,
+            "limit": MIN_DEPTH_GAIN,
+            "pass": gain >= MIN_DEPTH_GAIN,
+        }
+    return found
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -544,46 +746,57 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
     parser.add_argument("--steps", type=int, help="timed steps per configuration and round")
     parser.add_argument("--rounds", type=int, help="rounds; configurations alternate order")
     parser.add_argument("--warmup", type=int, help="untimed steps per configuration (2)")
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (1: in-process)")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--stages", type=int, help="pipeline section: stages (2)")
+    parser.add_argument("--microbatches", type=int, help="8; one process 2")
+    parser.add_argument("--layers", type=int, help="4; one process 12")
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--min-bytes", type=int, default=64 << 10, help="OffloadConfig.min_bytes")
     parser.add_argument("--prefetch", type=int, default=1, help="OffloadConfig.prefetch")
-    parser.add_argument("--peer-threads", type=int, default=1, help="the torch loop's threads")
+    parser.add_argument("--peer-threads", type=int, default=1, help="the torch loops' threads")
+    parser.add_argument("--sweep-limit", default="64MiB", help="one process: the depth sweep's "
+                        "device_memory_limit")  # fmt: skip
+    parser.add_argument("--sweep-max", type=int, default=64, help="the most layers it tries")
     parser.add_argument("--quick", action="store_true", help="a tiny, fast smoke run")
-    parser.add_argument("--out", help="JSON path (default bench/results/offload.json)")
+    parser.add_argument("--out", help="JSON path (default bench/results/offload[_SECTION].json)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command")
-    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    """The plan from the flags; --quick shrinks the model and the run."""
+def make_plan(args: argparse.Namespace, section: str) -> Plan:
+    """The plan of one section from the flags; --quick shrinks the model and the run."""
+    shape = dict(DEFAULTS[section])
+    if section == "pipeline" and args.stages:
+        shape["stages"] = args.stages
+    for key in ("layers", "microbatches"):
+        shape[key] = getattr(args, key) or shape[key]
+    d_model, seq, batch = args.d_model, args.seq, args.batch
+    sweep_limit, sweep_max = args.sweep_limit, args.sweep_max
     if args.quick:
-        args.d_model, args.seq, args.batch = min(args.d_model, 64), min(args.seq, 128), 8
-        args.microbatches = min(args.microbatches, 4)
-    if args.stages < 1 or args.layers + 2 < args.stages:
-        raise SystemExit(f"--stages {args.stages} must be from 1 to layers + 2")
-    if args.batch % args.microbatches:
-        raise SystemExit(
-            f"--batch {args.batch} does not split into {args.microbatches} microbatches"
-        )
+        d_model, seq, batch = min(d_model, 64), min(seq, 128), 8
+        shape["microbatches"] = min(shape["microbatches"], 4)
+        shape["layers"] = min(shape["layers"], 6)
+        sweep_limit, sweep_max = "8MiB", min(sweep_max, 16)
+    if shape["stages"] < 1 or shape["layers"] + 2 < shape["stages"]:
+        raise SystemExit(f"--stages {shape['stages']} must be from 1 to layers + 2")
+    if batch % shape["microbatches"]:
+        m = shape["microbatches"]
+        raise SystemExit(f"--batch {batch} does not split into {m} microbatches")
     return Plan(
-        layers=args.layers,
-        d_model=args.d_model,
+        section=section,
+        **shape,
+        d_model=d_model,
         heads=args.heads,
-        seq=args.seq,
-        batch=args.batch,
-        microbatches=args.microbatches,
-        stages=args.stages,
+        seq=seq,
+        batch=batch,
         min_bytes=args.min_bytes,
         prefetch=args.prefetch,
         peer_threads=args.peer_threads,
@@ -591,21 +804,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
         rounds=args.rounds or (1 if args.quick else 8),
         warmup=max(args.warmup or (1 if args.quick else 2), 1),
         timeout_s=args.timeout,
+        sweep_limit=sweep_limit,
+        sweep_max=sweep_max,
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        serve(args.worker, Plan(**json.loads(args.plan)))
-        return 0
-    plan = make_plan(args)
+def run_section(plan: Plan, out: str | None) -> None:
+    """Measure one section, print its tables and targets, write its JSON."""
     start, load_before = time.monotonic(), os.getloadavg()
+    print(f"\n== {plan.section} ==", flush=True)
     with tempfile.TemporaryDirectory(prefix="myelin-bench-") as tmp:
         got = measure(plan, tmp)
     payload = report(plan, got)
     load = {"before": list(load_before), "after": list(os.getloadavg()), "cores": os.cpu_count()}
-    shares = [x for data in got.values() for x in data["others"]]
+    shares = [x for name in plan.configs for x in got[name]["others"]]
     load["others_cpu_share"] = statistics.median(shares) if shares else None
     # The load average also counts this bench's own start-up, so judge by the others' share.
     busy = max(load["before"][0], load["after"][0]) > (os.cpu_count() or 1)
@@ -616,8 +828,21 @@ def main(argv: list[str] | None = None) -> int:
             f"during the turns: other work shared the machine, so the numbers are noisy"
         )
     payload = {"plan": asdict(plan), "wall_s": time.monotonic() - start, "load": load, **payload}
-    path = write_json("offload", payload, args.out)
+    name = "offload" if plan.section == "pipeline" else "offload_one_process"
+    path = write_json(name, payload, out)
     print(f"\nwrote {path} ({payload['wall_s']:.0f}s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        serve(args.worker, Plan(**json.loads(args.plan)))
+        return 0
+    sections = list(SECTIONS) if args.section == "all" else [args.section]
+    if args.out and len(sections) > 1:
+        raise SystemExit("--out needs one --section")
+    for section in sections:
+        run_section(make_plan(args, section), args.out)
     return 0
 
 

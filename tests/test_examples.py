@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -92,4 +93,26 @@ def test_large_model_example_needs_offload_and_trains_with_it(tmp_path):
     res = _run_example(tmp_path, script, "--steps", "2", "--no-offload")
     assert res.returncode != 0
     assert "DeviceMemoryError" in res.stderr and "device_memory_limit=32 MiB" in res.stderr
+    assert "OffloadConfig(activations=True)" in res.stderr
+
+
+def test_large_model_example_on_one_process_needs_offload_and_trains_with_it(tmp_path):
+    """The whole model on one device, each backward right after its forward: only paging
+    within the microbatch, layer by layer, brings it under the limit."""
+    script = EXAMPLES / "large_model_offload.py"
+    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    run = functools.partial(
+        subprocess.run, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
+    )
+    res = run([sys.executable, str(script), "--one-process", "--steps", "6"])
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
+    assert len(losses) == 2 and losses[-1] < losses[0], res.stdout
+    peak = float(re.search(r"device peak (\d+\.\d+) MiB", res.stdout).group(1))
+    assert peak <= 40, res.stdout
+    assert "misses 0" in res.stdout, res.stdout  # every page back before backward needed it
+
+    res = run([sys.executable, str(script), "--one-process", "--steps", "2", "--no-offload"])
+    assert res.returncode != 0
+    assert "DeviceMemoryError" in res.stderr and "device_memory_limit=40 MiB" in res.stderr
     assert "OffloadConfig(activations=True)" in res.stderr

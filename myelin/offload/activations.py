@@ -1,16 +1,28 @@
-"""Saved activations: account them, page them out to the host pool, bring them back.
+"""Saved activations: account them, page them out to the host pool as the forward makes
+them, bring them back ahead of backward.
 
 Autograd keeps, per microbatch in flight, the tensors its backward will need. Under
 `saving(mb)` every such tensor goes through a pack hook: parameters and small tensors
-stay where they are; the storage behind a larger one is copied, whole and once, into
-the host pool (on a GPU, on a side stream while the forward goes on) and the device
-copy is dropped. Backward gets back a view with the original offset and strides, so
-its kernels, and results, are exactly those of training without offload.
+stay where they are; the storage behind a larger one becomes a page, tagged with the
+layer that saved it (`watch` finds a module's layers; see layers.py). Backward needs the
+pages in the reverse of the order the forward saved them last. As the forward goes on,
+what it saved more than a window (`layers.Ahead`: about one layer's bytes) before its
+latest page is copied, whole and once, into the host pool (on a GPU, on a side stream
+while the forward goes on) and dropped from the device; the window itself, what backward
+needs first, stays when the backward is next (one stage, the last stage) and leaves at
+the end of the forward when it is not (a microbatch that waits in the pipeline).
 
-`prefetch_ahead` starts bringing back the pages of the next backwards, `fetch` makes
-sure all of a microbatch's pages are back when its backward starts, and `release`
-frees them after it. On a machine without a GPU the "device" is host memory too, so a
-page comes back as a view of its pool memory (still accounted as resident), not a copy.
+In backward the unpack hook tells where backward is: when it reaches a page, the pages
+the window holds below it start coming back, the nearest first, so the copy for layer i-1
+runs while backward computes layer i; a page leaves the device once every view of it has
+been unpacked and used. Backward gets back a view with the original offset and strides,
+so its kernels, and results, are exactly those of training without offload.
+
+`prefetch_ahead` starts bringing back the first pages of the next backwards (microbatches
+that sit in the pipeline), `fetch` marks the start of a microbatch's backward, and
+`release` frees what is left after it. On a machine without a GPU the "device" is host
+memory too, so a page comes back as a view of its pool memory, not a copy, and is
+accounted as resident while it is back.
 """
 
 from __future__ import annotations
@@ -18,13 +30,17 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from myelin.offload.budget import DeviceBudget
+from myelin.offload.layers import Ahead, find_layers
+from myelin.offload.pages import Copier, Page, View, bytes_of
 from myelin.offload.pool import HostPool
 
 __all__ = ["ActivationStore", "ActivationStats"]
@@ -36,49 +52,39 @@ _MAX_STORAGE_RATIO = 4
 
 @dataclass(slots=True)
 class ActivationStats:
-    """Counters over the life of a store (`offloaded_step_bytes`: the last step only)."""
+    """Counters over the life of a store (`*_step_*`: the last step only)."""
 
     offloaded_bytes: int = 0  # paged out since the start
     offloaded_step_bytes: int = 0
-    pages: int = 0
+    fetched_step_bytes: int = 0  # brought back in the last step
+    resident_step_bytes: int = 0  # would-be pages of the last step that never left
+    pages: int = 0  # pages made (paged out) since the start
+    layers: int = 0  # layers of the last microbatch saved
     prefetch_hits: int = 0  # pages already back when backward needed them
     prefetch_misses: int = 0  # pages backward had to wait for
     wait_s: float = 0.0  # time backward waited for pages
 
 
-@dataclass(slots=True, eq=False)
-class _Page:
-    """One paged-out storage: its bytes in the host pool and, once fetched, on the device."""
-
-    host: torch.Tensor  # uint8, in the pool
-    nbytes: int
-    mb: int
-    device_copy: torch.Tensor | None = None  # uint8, on the device
-    ready: Any = None  # a CUDA event: the page's last copy is done
-    early: bool = False  # fetched by `prefetch_ahead` rather than at backward
-
-
-@dataclass(slots=True, frozen=True)
-class _View:
-    """A saved tensor as a view of a page."""
-
-    page: _Page
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
-
-
 @dataclass(slots=True)
 class _Microbatch:
-    pages: list[_Page] = field(default_factory=list)
+    pages: list[Page] = field(default_factory=list)  # by seq: the order of last saves
     kept: dict[int, int] = field(default_factory=dict)  # storage pointer -> bytes on device
     resident: int = 0  # bytes this microbatch holds on the device
-    fetched: bool = False  # its backward has started: every page is back
+    layer: int = 0  # the forward's current layer, then the last layer
+    layer_bytes: list[int] = field(default_factory=lambda: [0])  # page bytes per layer
+    seq: int = 0
+    originals: deque[Page] = field(default_factory=deque)  # the forward's storage, by seq
+    held: int = 0  # bytes of `originals`
+    position: int | None = None  # index of the page backward is at; None before backward
+    cursor: int = 0  # pages[cursor:] were brought back (or never left)
 
 
 class ActivationStore:
-    """Per-microbatch saved tensors of one stage: accounted, and paged out when asked."""
+    """Per-microbatch saved tensors of one stage: accounted, and paged out when asked.
+
+    ahead: how far ahead of backward pages come back, and how much the forward keeps on
+    the device behind it (layers.Ahead: one layer by default).
+    """
 
     def __init__(
         self,
@@ -88,6 +94,7 @@ class ActivationStore:
         pool: HostPool | None = None,
         min_bytes: int = 64 << 10,
         prefetch: int = 1,
+        ahead: Ahead | None = None,
         persistent: Iterable[torch.Tensor] = (),
     ) -> None:
         self.device = torch.device(device)
@@ -95,33 +102,47 @@ class ActivationStore:
         self.pool = pool
         self.min_bytes = min_bytes
         self.depth = prefetch
+        self.ahead = ahead if ahead is not None else Ahead()
         self.stats = ActivationStats()
         # Parameters and buffers: autograd saves them too, but they are never copied.
         self._persistent = {t.untyped_storage().data_ptr() for t in persistent}
         self._mbs: dict[int, _Microbatch] = {}
-        cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._saving: _Microbatch | None = None  # the microbatch whose forward runs
+        self._hooks: list[Any] = []
+        self._waits: list[tuple[int, float, float]] = []  # (mb, start, end), perf_counter
+        self._unpacked: dict[weakref.ref, Page] = {}  # views backward holds -> their page
+        self._copier = Copier(self.device)
 
     @property
     def pages_out(self) -> bool:
         """Whether this store pages activations out (else it only accounts them)."""
         return self.pool is not None
 
+    def watch(self, module: nn.Module) -> int:
+        """Tag what autograd saves with the layer of `module` that saved it (forward hooks
+        at each layer's start and end). Returns how many layers were found."""
+        layers = find_layers(module)
+        for layer in layers:
+            self._hooks.append(layer.register_forward_pre_hook(self._boundary))
+            self._hooks.append(layer.register_forward_hook(self._boundary))
+        return len(layers)
+
     # -- forward --------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def saving(
-        self, mb: int, keep: Iterable[torch.Tensor] = (), page_out: bool = True
+        self, mb: int, keep: Iterable[torch.Tensor] = (), backward_next: bool = False
     ) -> Iterator[None]:
-        """Run the forward of microbatch `mb` under hooks that account (and, with
-        `page_out`, page out) what autograd saves. `keep`: tensors the stage holds
-        anyway (its inputs), which copying would not free."""
+        """Run the forward of microbatch `mb` under hooks that account and page out what
+        autograd saves. `keep`: tensors the stage holds anyway (its inputs), which copying
+        would not free. `backward_next`: its backward runs right after, so its last layers
+        stay on the device; otherwise every page leaves by the end of the forward."""
         entry = self._mbs.setdefault(mb, _Microbatch())
         held = {t.untyped_storage().data_ptr() for t in keep}
         # storage pointer -> (a live tensor on it, its page): views of one storage share a
         # page. The tensor is held weakly and checked, as a freed address can be reused.
-        paged: dict[int, tuple[Any, _Page]] = {}
-        paging = page_out and self.pool is not None
+        paged: dict[int, tuple[Any, Page]] = {}
+        paging = self.pool is not None
 
         def pack(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
@@ -129,21 +150,86 @@ class ActivationStore:
             if ptr in self._persistent or t.device.type != self.device.type:
                 return t
             ref, page = paged.get(ptr, (None, None))
-            if page is None or ref() is None:
+            if page is None or (page.device_copy is None and ref() is None):
                 size = storage.nbytes()
                 view = t.numel() * t.element_size()
                 if not paging or ptr in held or view < self.min_bytes:
                     return self._keep(entry, t, ptr, mb)
                 if size > _MAX_STORAGE_RATIO * view:
                     return self._keep(entry, t, ptr, mb)
-                page = self._page_out(storage, size, mb)
+                page = Page(size, mb, entry.layer, entry.seq)
+                self._hold(entry, page, storage)
+                entry.layer_bytes[entry.layer] += size
                 entry.pages.append(page)
+                entry.originals.append(page)
+                entry.held += size
                 base = t if t._base is None else t._base  # lives as long as the storage's owner
                 paged[ptr] = (weakref.ref(base), page)
-            return _View(page, t.dtype, t.shape, t.stride(), t.storage_offset())
+            elif page is not entry.pages[-1] or page.layer != entry.layer:
+                self._touch(entry, page, storage)  # saved again: backward needs it later
+            entry.seq += 1
+            page.views += 1
+            self._trim(entry)
+            return View(page, t.dtype, t.shape, t.stride(), t.storage_offset())
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        self._saving = entry
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+            while entry.originals and not backward_next:
+                self._copy_out(entry, entry.originals.popleft())
+            self.stats.layers = entry.layer + 1
+            self.stats.resident_step_bytes += sum(p.nbytes for p in entry.originals)
+            entry.cursor = len(entry.pages)
+            for i, page in enumerate(entry.pages):
+                page.index = i
+        finally:
+            self._saving = None
+
+    def _touch(self, entry: _Microbatch, page: Page, storage: torch.UntypedStorage) -> None:
+        """`page` is saved again, by a later layer: backward needs it first there. If it left
+        the device already, the forward still holds its storage: keep that, no round trip."""
+        entry.pages.remove(page)
+        entry.pages.append(page)
+        entry.layer_bytes[page.layer] -= page.nbytes
+        entry.layer_bytes[entry.layer] += page.nbytes
+        page.layer, page.seq = entry.layer, entry.seq
+        if page.device_copy is None:
+            self._hold(entry, page, storage)
+            entry.held += page.nbytes
+        else:
+            entry.originals.remove(page)
+        entry.originals.append(page)
+
+    def _boundary(self, *_: Any) -> None:
+        """A layer starts or ends: what the forward saves from now on is the next layer's."""
+        entry = self._saving
+        if entry is not None and entry.layer_bytes[entry.layer]:  # else the layer goes on
+            entry.layer += 1
+            entry.layer_bytes.append(0)
+
+    def _trim(self, entry: _Microbatch) -> None:
+        """Page out the oldest of what the forward holds until what is left below its last
+        page fits the window backward will want there (at least one page, unless none)."""
+        originals = entry.originals
+        window = self.ahead.window(entry.layer_bytes, entry.layer)
+        while len(originals) > 1:
+            below = entry.held - originals[-1].nbytes
+            if below <= window or (window and len(originals) == 2):
+                return
+            self._copy_out(entry, originals.popleft())
+
+    def _copy_out(self, entry: _Microbatch, page: Page) -> None:
+        """Copy `page` to the host pool (unless it is there already) and drop it from the
+        device."""
+        assert self.pool is not None and page.device_copy is not None
+        if page.host is None:
+            self._copier.copy_out(page, self.pool)
+            self.stats.offloaded_bytes += page.nbytes
+            self.stats.offloaded_step_bytes += page.nbytes
+            self.stats.pages += 1
+        entry.held -= page.nbytes
+        self._drop(entry, page)
 
     def _keep(self, entry: _Microbatch, t: torch.Tensor, ptr: int, mb: int) -> torch.Tensor:
         if ptr not in entry.kept:
@@ -156,97 +242,126 @@ class ActivationStore:
         self.budget.add("activations", nbytes, doing)
         entry.resident += nbytes
 
-    def _page_out(self, storage: torch.UntypedStorage, nbytes: int, mb: int) -> _Page:
-        assert self.pool is not None
-        host = self.pool.empty((nbytes,), torch.uint8, what=f"activations of microbatch {mb}")
-        src = _bytes_of(storage)
-        page = _Page(host, nbytes, mb)
-        if self._stream is None:
-            host.copy_(src)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                host.copy_(src, non_blocking=True)
-                src.record_stream(self._stream)
-                page.ready = torch.cuda.Event()
-                page.ready.record(self._stream)
-        self.stats.offloaded_bytes += nbytes
-        self.stats.offloaded_step_bytes += nbytes
-        self.stats.pages += 1
-        return page
+    def _hold(self, entry: _Microbatch, page: Page, storage: torch.UntypedStorage) -> None:
+        """Keep the forward's own storage as `page` on the device (accounted, checked)."""
+        self._grow(entry, page.nbytes, f"saving activations of microbatch {page.mb}")
+        page.device_copy, page.original = bytes_of(storage), True
+
+    def _drop(self, entry: _Microbatch, page: Page) -> None:
+        """Take `page` off the device (no longer accounted)."""
+        if page.device_copy is not None:
+            page.device_copy, page.original = None, False
+            self.budget.add("activations", -page.nbytes, "")
+            entry.resident -= page.nbytes
 
     # -- backward -------------------------------------------------------------------------
 
     def prefetch_ahead(self) -> int:
-        """Start bringing back the pages of the next `prefetch` microbatches whose backward
-        comes next (the oldest in flight: every schedule runs backwards oldest first).
-        Returns the bytes it started to copy."""
-        waiting = [mb for mb in sorted(self._mbs) if self._mbs[mb].pages]
-        return sum(self._fetch(mb, early=True) for mb in waiting[: self.depth])
+        """Start bringing back the first pages of the next `prefetch` microbatches whose
+        backward comes next (the oldest in flight: every schedule runs backwards oldest
+        first). Returns the bytes it started to copy."""
+        waiting = [
+            entry
+            for _, entry in sorted(self._mbs.items())
+            if entry.position is None and entry is not self._saving
+        ]
+        started = 0
+        for entry in waiting[: self.depth]:
+            if entry.pages:
+                low = self.ahead.lowest(entry.pages, len(entry.pages) - 1, entry.layer_bytes)
+                started += self._bring_back(entry, low, len(entry.pages))
+        return started
 
     def fetch(self, mb: int) -> None:
-        """Bring back whatever of `mb` is still out, now that its backward starts; the time
-        this takes is time backward waited."""
+        """The backward of `mb` starts: bring back what it needs first, waiting for it if
+        it must (time backward waited), and start the copies of what comes next."""
         entry = self._mbs.get(mb)
-        if entry is None or not entry.pages or entry.fetched:
-            return
-        entry.fetched = True  # counted once, however often it is asked
+        if entry is None or entry.position is not None or not entry.pages:
+            return  # nothing paged, or asked again
         start = time.perf_counter()
-        self._fetch(mb, early=False)
-        for page in entry.pages:
-            if page.early and (page.ready is None or page.ready.query()):
-                self.stats.prefetch_hits += 1
-                continue
-            self.stats.prefetch_misses += 1
-            if page.ready is not None:
-                page.ready.synchronize()
-        self.stats.wait_s += time.perf_counter() - start
+        self._advance(entry, len(entry.pages) - 1)
+        self._need(entry.pages[-1], start)
 
-    def _fetch(self, mb: int, early: bool) -> int:
-        entry = self._mbs[mb]
-        todo = [p for p in entry.pages if p.device_copy is None]
-        if not todo:
-            return 0
-        nbytes = sum(p.nbytes for p in todo)
-        self._grow(entry, nbytes, f"bringing back microbatch {mb}")
-        for page in todo:
-            page.early = early
-            if self._stream is None:  # host and device are one memory: a view, no copy
-                page.device_copy = page.host
-                continue
-            with torch.cuda.stream(self._stream):
-                if page.ready is not None:
-                    self._stream.wait_event(page.ready)
-                dev = torch.empty(page.nbytes, dtype=torch.uint8, device=self.device)
-                dev.copy_(page.host, non_blocking=True)
-                page.device_copy = dev
-                page.ready = torch.cuda.Event()
-                page.ready.record(self._stream)
+    def _advance(self, entry: _Microbatch, pos: int) -> None:
+        """Backward is at `entry.pages[pos]`: bring back what it needs there, and start the
+        copies of what it needs next."""
+        entry.position = pos
+        self._bring_back(entry, self.ahead.lowest(entry.pages, pos, entry.layer_bytes), pos)
+
+    def _bring_back(self, entry: _Microbatch, low: int, now: int) -> int:
+        """Start copying back the pages from index `low` up that are off the device and
+        not used up; those below `now` come early. Returns their bytes."""
+        nbytes = 0
+        for page in reversed(entry.pages[low : entry.cursor]):  # the one needed soonest first
+            if page.device_copy is None and not page.unpacked:
+                self._copy_in(entry, page, early=page.index < now)
+                nbytes += page.nbytes
+        entry.cursor = min(entry.cursor, low)
+        self.stats.fetched_step_bytes += nbytes
         return nbytes
+
+    def _copy_in(self, entry: _Microbatch, page: Page, early: bool) -> None:
+        self._grow(entry, page.nbytes, f"bringing back activations of microbatch {page.mb}")
+        page.device_copy, page.original = self._copier.copy_in(page), False
+        page.early = early
+
+    def _need(self, page: Page, start: float) -> None:
+        """Backward needs `page` now (it asked at `start`): count a hit or a miss, once,
+        and wait until it is back; the time since `start` of a miss is time it waited."""
+        if page.original or (page.counted and page.device_copy is not None):
+            return  # the forward's own storage, or counted already and still here
+        if page.device_copy is None:  # not brought back: a schedule this store did not foresee
+            self._copy_in(self._mbs[page.mb], page, early=False)
+            self.stats.fetched_step_bytes += page.nbytes
+        done = self._copier.done(page)
+        if page.early and done and not page.counted:
+            self.stats.prefetch_hits += 1
+        else:
+            if not page.counted:
+                self.stats.prefetch_misses += 1
+            if not done:
+                page.ready.synchronize()
+            end = time.perf_counter()
+            self.stats.wait_s += end - start
+            self._waits.append((page.mb, start, end))
+        page.counted = True
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        view: _View = packed
+        view: View = packed
         page = view.page
-        if page.device_copy is None:  # not fetched: a schedule this store did not foresee
-            start = time.perf_counter()
-            if page.ready is not None:
-                page.ready.synchronize()  # the page-out copy must have landed first
-                page.ready = None
-            entry = self._mbs[page.mb]
-            self._grow(entry, page.nbytes, f"bringing back microbatch {page.mb}")
-            page.device_copy = page.host.to(self.device, copy=True)
-            self.stats.prefetch_misses += 1
-            self.stats.wait_s += time.perf_counter() - start
-        if page.ready is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(page.ready)
-            page.device_copy.record_stream(current)
-        copy = page.device_copy  # uint8, perhaps a view into a pool slab
-        offset = copy.storage_offset() // view.dtype.itemsize + view.offset
-        out = torch.empty(0, dtype=view.dtype, device=self.device)
-        return out.set_(copy.untyped_storage(), offset, view.size, view.stride)
+        entry = self._mbs.get(page.mb)
+        if page.freed or entry is None:  # unpacked after its microbatch was released
+            raise RuntimeError(
+                f"activations of microbatch {page.mb} were needed after its backward ended"
+            )
+        start = time.perf_counter()
+        if page.index >= 0 and (entry.position is None or page.index < entry.position):
+            self._advance(entry, page.index)  # (index -1: a backward inside the forward)
+        self._need(page, start)
+        out = self._copier.view(view)
+        page.unpacked += 1
+        page.alive += 1
+        self._unpacked[weakref.ref(out, self._used)] = page
+        return out
+
+    def _used(self, ref: weakref.ref) -> None:
+        """An unpacked view died; once every view of its page was used, drop the page from
+        the device (autograd saves each tensor once, so none will be asked for again)."""
+        page = self._unpacked.pop(ref)
+        page.alive -= 1
+        if page.alive or page.unpacked < page.views or page.freed:
+            return
+        entry = self._mbs.get(page.mb)
+        if entry is not None:
+            self._drop(entry, page)
+
+    def take_waits(self) -> list[tuple[int, float, float]]:
+        """The waits for pages since the last call: (microbatch, start, end) on the
+        time.perf_counter clock, for the profiler."""
+        waits, self._waits = self._waits, []
+        return waits
 
     def release(self, mb: int) -> None:
         """Forget microbatch `mb` after its backward: free its pages and its accounting."""
@@ -254,22 +369,22 @@ class ActivationStore:
         if entry is None:
             return
         for page in entry.pages:
+            page.freed = True
+            page.device_copy = None
             # On a GPU the host page's last use is on the side stream, which any later use
             # of the same memory also runs on, so it can be reused at once.
-            self.pool.free(page.host)
-            page.device_copy = None
+            if page.host is not None:
+                self.pool.free(page.host)
         self.budget.add("activations", -entry.resident, "")
 
     def begin_step(self) -> None:
         self.stats.offloaded_step_bytes = 0
+        self.stats.fetched_step_bytes = 0
+        self.stats.resident_step_bytes = 0
 
     def clear(self) -> None:
         """Drop every microbatch (after a failed step)."""
+        self._saving = None
+        self._waits.clear()
         for mb in list(self._mbs):
             self.release(mb)
-
-
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A uint8 tensor over all of `storage`."""
-    out = torch.empty(0, dtype=torch.uint8, device=storage.device)
-    return out.set_(storage, 0, (storage.nbytes(),), (1,))

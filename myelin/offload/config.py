@@ -16,6 +16,7 @@ __all__ = ["OffloadConfig", "OPTIMIZER_MODES", "PRECISIONS"]
 #   stream  state in the host pool, update on the device, state streamed through in buckets.
 OPTIMIZER_MODES = ("device", "host", "stream")
 PRECISIONS = ("fp32", "bf16", "fp16")
+_MAX_AHEAD_LAYERS = 1024  # an int above this is more likely bytes given without a unit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,7 +28,13 @@ class OffloadConfig:
     optimizer: True (the default mode for the device: "host" on a CPU, "stream" on a GPU),
         "host", "stream", or False / "device" (no optimizer offload).
     min_bytes: saved tensors smaller than this stay on the device (a copy costs more).
-    prefetch: microbatches whose pages are brought back ahead of their backward.
+    prefetch: microbatches waiting in the pipeline whose first layers are brought back
+        ahead of their backward.
+    fetch_ahead: how far ahead of backward pages come back, within one microbatch: an int
+        counts layers (1: the copy for layer i-1 runs while backward computes layer i), a
+        byte count such as "64MiB" counts bytes (whole layers, at least one). As many layers
+        stay on the device behind the forward, so a backward that follows its forward at
+        once (one stage, the last stage) starts without waiting. Default 1.
     host_memory_limit: bytes or "48GiB" the pool may hold; default 80% of the memory
         available at start, shared by the ranks of this host.
     slab_bytes: the pool grows in slabs of this size.
@@ -38,6 +45,7 @@ class OffloadConfig:
     optimizer: bool | str = False
     min_bytes: int | str = "64KiB"
     prefetch: int = 1
+    fetch_ahead: int | str = 1
     host_memory_limit: int | str | None = None
     slab_bytes: int | str = "64MiB"
     bucket_bytes: int | str = "32MiB"
@@ -53,10 +61,28 @@ class OffloadConfig:
             )
         if type(self.prefetch) is not int or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"OffloadConfig.prefetch={self.prefetch!r} must be an int in [0, 64]")
+        self.ahead()  # checks fetch_ahead
         _bytes(self, "min_bytes", minimum=0)
         _bytes(self, "host_memory_limit", allow_none=True)
         _bytes(self, "slab_bytes", minimum=1 << 20)
         _bytes(self, "bucket_bytes")
+
+    def ahead(self) -> tuple[int, int | None]:
+        """`fetch_ahead` as (layers, bytes): bytes is None when it counts layers."""
+        value = self.fetch_ahead
+        if type(value) is int and 0 <= value <= _MAX_AHEAD_LAYERS:
+            return value, None
+        if isinstance(value, str):
+            try:
+                return 1, parse_bytes(value, "OffloadConfig.fetch_ahead")
+            except ConfigError as exc:
+                why = f" ({str(exc).split(': ', 1)[-1].split(';')[0]})"
+        else:
+            why = ""
+        raise ConfigError(
+            f"OffloadConfig.fetch_ahead={value!r} must be a number of layers from 0 to "
+            f"{_MAX_AHEAD_LAYERS}, or a byte count as a string such as '64MiB'{why}"
+        )
 
     @property
     def enabled(self) -> bool:

@@ -24,6 +24,7 @@ from myelin.errors import ConfigError
 from myelin.offload.activations import ActivationStore
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.config import OffloadConfig
+from myelin.offload.layers import Ahead
 from myelin.offload.optimizer import Updater
 from myelin.offload.pool import HostPool, default_host_limit
 
@@ -38,6 +39,7 @@ class Memory:
     pool: HostPool | None
     updater: Updater | None  # None when the stage has nothing to train
     activations: ActivationStore
+    fetch_ahead: int | str = 1  # OffloadConfig.fetch_ahead, as given
 
 
 def build_memory(
@@ -104,9 +106,10 @@ def build_memory(
         pool=pool if off.activations else None,
         min_bytes=off.min_bytes,
         prefetch=off.prefetch,
+        ahead=Ahead(*off.ahead()),
         persistent=[*module.parameters(), *module.buffers()],
     )
-    return Memory(budget, pool, updater, activations)
+    return Memory(budget, pool, updater, activations, off.fetch_ahead)
 
 
 def memory_stats(memory: Memory, precision: str) -> dict[str, Any]:
@@ -129,6 +132,10 @@ def memory_stats(memory: Memory, precision: str) -> dict[str, Any]:
         "host_pool_grows": pool_stats.get("grows", 0),
         "activations_offloaded_bytes": stats.offloaded_step_bytes,
         "activations_offloaded_total_bytes": stats.offloaded_bytes,
+        "activations_fetched_bytes": stats.fetched_step_bytes,
+        "activations_stayed_bytes": stats.resident_step_bytes,
+        "activation_layers": stats.layers,
+        "fetch_ahead": memory.fetch_ahead,
         "optimizer_host_bytes": updater.host_bytes() if updater is not None else 0,
         "optimizer_mode": updater.mode if updater is not None else None,
         "precision": precision,

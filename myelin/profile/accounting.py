@@ -6,8 +6,9 @@ backward, optimizer, evaluation, GPU kernels), then each idle cause in the order
 operation ready, waiting for a message the schedule implies), the other waits for a
 message (latency, a slow peer, step-end sync: attribution.py), offload wait,
 collective wait (all-reduce), optimizer on the host; for torch.profiler traces also
-HTA's host wait, short gap and other. What no record covers is host overhead. Times
-are intervals: sorted, disjoint lists of (start, end).
+HTA's host wait, short gap and other. What no record covers is host overhead. An offload
+wait inside an operation's record (backward waiting for the pages of its next layer) is
+that wait, not busy time. Times are intervals: sorted, disjoint lists of (start, end).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def seconds(
     loop_comm = clipped(lambda s: s.kind in ("send", "recv"))
     if host_device:
         busy = _subtract(busy, loop_comm)
+    busy = _subtract(busy, clipped(lambda s: s.cause == "offload_wait"))
     covered, idle = busy, {}
     extra = sorted({s.cause for s in spans if s.cause and s.cause not in CAUSES})
     for cause in (*CAUSES, *extra):

@@ -274,13 +274,13 @@ class EventLoop:
         ready.forward.discard(mb)
         inputs = self.inbox.inputs.pop(mb)
         target = self._targets[mb] if stage.is_last else None
-        store = stage.activations
-        page_out = store is not None and store.pages_out
-        page_out = page_out and not self.policy.backward_next(ready, mb)
+        backward_next = self.policy.backward_next(ready, mb)
         share = self._share(mb)
         with self.timeline.op("forward", str(action), self._step, microbatch=mb):
             try:  # the compute only: the send below is not the device's time
-                outputs = stage.forward(mb, inputs, target, ready.microbatches, page_out, share)
+                outputs = stage.forward(
+                    mb, inputs, target, ready.microbatches, backward_next, share
+                )
             except InputMismatch as exc:
                 raise misfit(
                     self.world, stage.index, self._step, mb, inputs, exc.__cause__
@@ -303,6 +303,7 @@ class EventLoop:
         self._before_backward(mb, ready)
         with self.timeline.op("backward", str(action), self._step, microbatch=mb):
             in_grads, in_index = stage.backward(mb, grads, index)
+        self._record_waits()
         self._prefetch()
         self._losses[mb] = loss
         ready.ran("B", mb)
@@ -353,11 +354,25 @@ class EventLoop:
             self.updater.arm()
         store = self.stage.activations
         if store is not None and store.pages_out:
-            start = self.timeline.now()
-            waited = store.stats.wait_s
             store.fetch(mb)
-            if store.stats.wait_s > waited:
-                self._offload_wait(f"{self.stage.index}FETCH{mb}", start, microbatch=mb)
+
+    def _record_waits(self) -> None:
+        """Backward's waits for pages (at its start and between layers), as offload waits."""
+        store = self.stage.activations
+        if store is None:
+            return
+        origin = self.timeline.origin
+        for mb, start, end in store.take_waits():
+            self.timeline.add(
+                "offload",
+                f"{self.stage.index}FETCH{mb}",
+                start - origin,
+                end - origin,
+                self._step,
+                cause="offload_wait",
+                microbatch=mb,
+                track="offload",
+            )
 
     def _prefetch(self) -> None:
         """Bring back the pages of the backwards that come next. On a GPU the copies run on a

@@ -64,6 +64,8 @@ class Stage:
         self.module = module
         self.activations = activations
         self.streams = streams  # the layers' random streams (runtime/rng.py)
+        if activations is not None:
+            activations.watch(module)
         self.dtype = dtype  # floating inputs are cast to it (bf16/fp16 training)
         self.loss_scale = 1.0  # fp16: the loss is multiplied by it before backward
         self.index = index
@@ -80,19 +82,20 @@ class Stage:
         inputs: tuple[torch.Tensor, ...],
         target: Any = None,
         divisor: int = 1,
-        page_out: bool = False,
+        backward_next: bool = False,
         share: float | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the forward of microbatch `mb`; on the last stage, also its loss.
 
         The loss is divided by `divisor` (the microbatch count) before its backward,
         as in gradient accumulation, or multiplied by `share` (its rows over the batch's)
-        when the batch split unevenly. `page_out`: page what autograd saves out to host
-        memory (the backward is not next). Returns the outputs to send on (last stage: ()).
+        when the batch split unevenly. `backward_next`: its backward runs right after, so
+        the last layers of what autograd saves stay on the device. Returns the outputs to
+        send on (last stage: ()).
         """
         inputs = tuple(self._receive(t) for t in inputs)
         saving = (
-            self.activations.saving(mb, keep=inputs, page_out=page_out)
+            self.activations.saving(mb, keep=inputs, backward_next=backward_next)
             if self.activations is not None
             else contextlib.nullcontext()
         )

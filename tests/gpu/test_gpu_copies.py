@@ -7,12 +7,13 @@ waits myelin relies on (record_stream, Stream.wait_event, Event.synchronize/quer
 checks that the same poison then shows: otherwise the first test could not catch the bug
 it is for.
 
-The copies, in myelin/offload/activations.py and optimizer.py:
-- page-out: a saved activation's storage, device -> pinned pool, on the store's side stream;
-  the device storage is freed as the forward moves on, so only `record_stream` keeps the
-  caching allocator from handing it to the next kernel before the copy read it;
-- fetch: the page back, pinned pool -> a new device buffer, on the same side stream;
-  backward must wait for the copy's event before reading it;
+The copies, in myelin/offload/pages.py (run by activations.py) and optimizer.py:
+- page-out: a saved activation's storage, device -> pinned pool, on the copier's side
+  stream, layer by layer as the forward goes; the device storage is freed as the forward
+  moves on, so only `record_stream` keeps the caching allocator from handing it to the
+  next kernel before the copy read it;
+- fetch: the page back, pinned pool -> a new device buffer, on the same side stream, a
+  layer ahead of backward; backward must wait for the copy's event before reading it;
 - "stream" optimizer: masters and state, pool -> device, per bucket on the updater's side
   stream; the update must wait for them;
 - "host" optimizer: gradients device -> pinned pool (the CPU update must wait), then the
@@ -29,10 +30,11 @@ import pytest
 import torch
 
 import myelin
-import myelin.offload.activations as activations_mod
 import myelin.offload.optimizer as optimizer_mod
+import myelin.offload.pages as pages_mod
 from myelin.offload.activations import ActivationStore
 from myelin.offload.optimizer import Updater
+from myelin.offload.pages import Copier
 from tests.gpu._gpu import DELAY_CYCLES, delay, train
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +42,9 @@ pytestmark = pytest.mark.gpu
 ACT = myelin.OffloadConfig(activations=True, min_bytes=0)
 STREAM = myelin.OffloadConfig(optimizer="stream", bucket_bytes="64KiB")
 HOST = myelin.OffloadConfig(optimizer="host", bucket_bytes="64KiB")
+# GPipe: microbatches wait in the pipeline, all their pages leave; message-driven on one
+# stage: each backward follows its forward, pages leave and come back layer by layer.
+SCHEDULES = pytest.mark.parametrize("schedule", ["gpipe", "message-driven"])
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -65,41 +70,43 @@ def _poison_page_outs(monkeypatch) -> None:
     forward fill fresh allocations of the pages' sizes with NaN on the compute stream: were
     a paged storage's memory handed out again before its copy read it, the page would
     hold NaN."""
-    page_out, saving = ActivationStore._page_out, ActivationStore.saving
+    copy_out, saving = Copier.copy_out, ActivationStore.saving
 
-    def slow_page_out(self, storage, nbytes, mb):
+    def slow_copy_out(self, page, pool):
         delay(self._stream, DELAY_CYCLES // 5)  # per page: the side stream's backlog adds up
-        return page_out(self, storage, nbytes, mb)
+        return copy_out(self, page, pool)
 
     @contextlib.contextmanager
-    def saving_then_flood(self, mb, keep=(), page_out=True):
-        with saving(self, mb, keep, page_out):
+    def saving_then_flood(self, mb, keep=(), backward_next=False):
+        with saving(self, mb, keep, backward_next):
             yield
         for page in self._mbs[mb].pages:
             for _ in range(2):
                 _poison(torch.empty(page.nbytes, dtype=torch.uint8, device=self.device))
 
-    monkeypatch.setattr(ActivationStore, "_page_out", slow_page_out)
+    monkeypatch.setattr(Copier, "copy_out", slow_copy_out)
     monkeypatch.setattr(ActivationStore, "saving", saving_then_flood)
 
 
+@SCHEDULES
 def test_page_out_keeps_the_device_storage_until_its_copy_read_it(
-    deterministic, fresh_device, monkeypatch
+    deterministic, fresh_device, monkeypatch, schedule
 ):
-    clean = train(offload=ACT)
+    clean = train(offload=ACT, schedule=schedule)
     assert clean.stats["activations_offloaded_total_bytes"] > 0
     _poison_page_outs(monkeypatch)
-    poisoned = train(offload=ACT)
+    poisoned = train(offload=ACT, schedule=schedule)
     assert poisoned.same_as(clean), (poisoned.losses, clean.losses)
 
 
+@SCHEDULES
 def test_page_out_poison_catches_memory_reused_before_its_copy(
-    deterministic, fresh_device, monkeypatch
+    deterministic, fresh_device, monkeypatch, schedule
 ):
-    clean = train(offload=ACT)
+    clean = train(offload=ACT, schedule=schedule)
     _poison_page_outs(monkeypatch)
     _break_waits(monkeypatch, record_stream=True)
-    broken = train(offload=ACT)
+    broken = train(offload=ACT, schedule=schedule)
     assert not broken.same_as(clean), (
         "without record_stream the poisoned page-outs still trained identically: the test "
         "above cannot catch the bug it is for"
@@ -110,7 +117,7 @@ def test_page_out_poison_catches_memory_reused_before_its_copy(
 
 
 class _TorchWithPoisonedBuffers:
-    """Stands in for `torch` inside myelin/offload/activations.py: every non-empty uint8
+    """Stands in for `torch` inside myelin/offload/pages.py: every non-empty uint8
     device buffer it makes (the buffers pages are fetched into) starts as NaN, filled on
     the stream current at that moment (the side stream, ahead of the copy)."""
 
@@ -126,28 +133,34 @@ class _TorchWithPoisonedBuffers:
 
 
 def _poison_fetches(monkeypatch) -> None:
-    fetch = ActivationStore._fetch
+    copy_in = Copier.copy_in
 
-    def slow_fetch(self, mb, early):
-        delay(self._stream)
-        return fetch(self, mb, early)
+    def slow_copy_in(self, page):
+        delay(self._stream, DELAY_CYCLES // 5)  # per page, as backward reaches each layer
+        return copy_in(self, page)
 
-    monkeypatch.setattr(ActivationStore, "_fetch", slow_fetch)
-    monkeypatch.setattr(activations_mod, "torch", _TorchWithPoisonedBuffers())
+    monkeypatch.setattr(Copier, "copy_in", slow_copy_in)
+    monkeypatch.setattr(pages_mod, "torch", _TorchWithPoisonedBuffers())
 
 
-def test_backward_reads_a_page_only_after_it_came_back(deterministic, fresh_device, monkeypatch):
-    clean = train(offload=ACT)
+@SCHEDULES
+def test_backward_reads_a_page_only_after_it_came_back(
+    deterministic, fresh_device, monkeypatch, schedule
+):
+    clean = train(offload=ACT, schedule=schedule)
     _poison_fetches(monkeypatch)
-    poisoned = train(offload=ACT)
+    poisoned = train(offload=ACT, schedule=schedule)
     assert poisoned.same_as(clean), (poisoned.losses, clean.losses)
 
 
-def test_fetch_poison_catches_backward_that_does_not_wait(deterministic, fresh_device, monkeypatch):
-    clean = train(offload=ACT)
+@SCHEDULES
+def test_fetch_poison_catches_backward_that_does_not_wait(
+    deterministic, fresh_device, monkeypatch, schedule
+):
+    clean = train(offload=ACT, schedule=schedule)
     _poison_fetches(monkeypatch)
     _break_waits(monkeypatch, events=True)
-    broken = train(offload=ACT)
+    broken = train(offload=ACT, schedule=schedule)
     assert not broken.same_as(clean), (
         "backward that does not wait for its pages still trained identically: the test "
         "above cannot catch the bug it is for"

@@ -203,6 +203,21 @@ def test_idle_causes_partition_wall_time_and_busy_wins():
     assert got["overlap_frac"] == pytest.approx(0.5)  # 0.8..1.0 of 0.8..1.2
 
 
+def test_a_backward_that_waits_for_its_pages_is_offload_wait_not_busy():
+    """Within one microbatch backward waits for pages between layers, inside its own
+    record: that time is the offload wait, not compute."""
+    spans = [
+        Span("backward", "0B0", "compute", 0, 0.0, 1.0, microbatch=0),
+        Span("offload", "0FETCH0", "offload", 0, 0.2, 0.5, microbatch=0, cause="offload_wait"),
+        Span("offload", "0FETCH0", "offload", 0, 0.9, 1.2, microbatch=0, cause="offload_wait"),
+        Span("forward", "0F1", "compute", 0, 1.2, 2.0, microbatch=1),
+    ]
+    got = account(spans, 0.0, 2.0)
+    assert got["busy_frac"] == pytest.approx(0.7)  # 0..0.2, 0.5..0.9, 1.2..2.0
+    assert got["idle"]["offload_wait"] == pytest.approx(0.3)
+    assert got["busy_frac"] + sum(got["idle"].values()) == pytest.approx(1.0)
+
+
 def test_on_a_cpu_the_loop_thread_sending_is_not_compute():
     spans = [
         Span("forward", "0F0", "compute", 0, 0.0, 1.0, microbatch=0),

@@ -1,0 +1,78 @@
+"""Where a stage's layers begin and end, and how far ahead of backward pages come back.
+
+Backward runs a stage's layers in reverse order, so an `ActivationStore` that knows which
+layer saved each tensor can bring back the layers just below the one backward computes
+and keep the last layer's tensors on the device. The layers are found from the module
+itself, whatever form it was given in:
+
+- a stage of a pipeline (an `nn.Sequential` or `nn.ModuleList`) and any module that is
+  itself such a container: its children;
+- a module given as one (a GPT, a HuggingFace model, an `nn.TransformerEncoder`): the
+  children of the first container of at least two modules found breadth first (its
+  blocks: `GPT.blocks`, `transformer.h`, `encoder.layers`), else its own children.
+
+What runs before the first layer (an embedding), between and after them (a head, the
+loss) counts as layers of its own. A module with no children pages as one layer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["Ahead", "find_layers"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def find_layers(module: nn.Module) -> list[nn.Module]:
+    """The sub-modules whose forwards start and end a layer of `module`, in order."""
+    queue = deque([module])
+    while queue:
+        node = queue.popleft()
+        children = list(node.children())
+        if isinstance(node, _CONTAINERS) and len(children) >= 2:
+            return children
+        queue.extend(children)
+    children = list(module.children())
+    return children if len(children) >= 2 else []
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """How much of what backward needs next is on the device ahead of it: below the page
+    backward is at, as many pages as fit in the bytes of the `layers` layers below its
+    layer (of its own layer, in the first), or in `nbytes` when that is set; at least
+    one page unless `layers` is 0. The forward keeps as much on the device behind the
+    page it saved last, so a backward that follows at once finds its first pages there.
+    The window slides page by page, so the device holds about `layers` layers at a time
+    whichever way the microbatch goes."""
+
+    layers: int = 1
+    nbytes: int | None = None
+
+    def window(self, layer_bytes: Sequence[int], layer: int) -> int:
+        """The bytes to have on the device below a page of `layer` (`layer_bytes`: the
+        bytes of each layer's pages)."""
+        if self.nbytes is not None:
+            return self.nbytes
+        if layer == 0:
+            return layer_bytes[0] if self.layers else 0
+        return sum(layer_bytes[max(layer - self.layers, 0) : layer])
+
+    def lowest(self, pages: Sequence[Any], pos: int, layer_bytes: Sequence[int]) -> int:
+        """The first index of what should be on the device while backward is at
+        `pages[pos]`. `pages` have `.layer` and `.nbytes`, in the order the forward saved
+        them last, which backward reverses."""
+        budget = self.window(layer_bytes, pages[pos].layer)
+        low, total = pos, 0
+        while low > 0 and budget > 0:
+            if low < pos and total + pages[low - 1].nbytes > budget:
+                break
+            low -= 1
+            total += pages[low].nbytes
+        return low

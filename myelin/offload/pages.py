@@ -1,0 +1,117 @@
+"""Pages of saved activations, and the copies that move them between the device and the
+host pool.
+
+A page is one storage autograd saved for backward, whole: several saved tensors (q, k and
+v, views of one projection) can be views of it. `Copier` moves pages: on a GPU every copy
+runs on one side stream, after what the compute stream has queued, and records an event
+that whoever uses the copy waits for; on a CPU the device is host memory, so the copy out
+is a plain copy and a page comes back as a view of its pool memory, without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from myelin.offload.pool import HostPool
+
+__all__ = ["Copier", "Page", "View", "bytes_of"]
+
+
+@dataclass(slots=True, eq=False)
+class Page:
+    """One storage that autograd saved: on the device (the forward's own or a copy back),
+    in the host pool (once paged out), or both."""
+
+    nbytes: int
+    mb: int
+    layer: int  # the last layer that saved it: where backward first needs it
+    seq: int  # when the forward last saved it: backward needs pages in reverse order
+    index: int = -1  # its place in that order, once the forward is done
+    device_copy: torch.Tensor | None = None  # uint8 on the device; accounted while set
+    original: bool = False  # device_copy is the forward's own storage, never copied back
+    host: torch.Tensor | None = None  # uint8 in the pool, once paged out
+    ready: Any = None  # a CUDA event: the page's last copy is done
+    early: bool = False  # brought back before backward needed it
+    counted: bool = False  # counted as a hit or a miss
+    views: int = 0  # saved tensors that are views of it
+    unpacked: int = 0  # ... that backward has unpacked
+    alive: int = 0  # unpacked views still alive
+    freed: bool = False  # its microbatch was released
+
+
+class View(NamedTuple):
+    """A saved tensor as a view of a page."""
+
+    page: Page
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class Copier:
+    """Copies pages out to the host pool and back, on a side stream on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None
+
+    def copy_out(self, page: Page, pool: HostPool) -> None:
+        """Start copying the page's device bytes into new pool memory (`page.host`)."""
+        src = page.device_copy
+        assert src is not None
+        what = f"activations of microbatch {page.mb}"
+        page.host = pool.empty((page.nbytes,), torch.uint8, what=what)
+        if self._stream is None:
+            page.host.copy_(src)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            page.host.copy_(src, non_blocking=True)
+            src.record_stream(self._stream)  # its memory is not reused before the copy
+            page.ready = torch.cuda.Event()
+            page.ready.record(self._stream)
+
+    def copy_in(self, page: Page) -> torch.Tensor:
+        """Start bringing the page back from the pool; the device copy (on a CPU, the pool
+        memory itself)."""
+        assert page.host is not None
+        if self._stream is None:  # host and device are one memory: a view, no copy
+            return page.host
+        with torch.cuda.stream(self._stream):
+            if page.ready is not None:
+                self._stream.wait_event(page.ready)  # its page-out has landed
+            dev = torch.empty(page.nbytes, dtype=torch.uint8, device=self.device)
+            dev.copy_(page.host, non_blocking=True)
+            page.ready = torch.cuda.Event()
+            page.ready.record(self._stream)
+        return dev
+
+    @staticmethod
+    def done(page: Page) -> bool:
+        """Whether the page's last copy has finished."""
+        return page.ready is None or page.ready.query()
+
+    def view(self, saved: View) -> torch.Tensor:
+        """The saved tensor rebuilt over its page's device copy, with its offset and strides;
+        on a GPU the compute stream waits for the copy first."""
+        page = saved.page
+        copy = page.device_copy  # uint8: the forward's storage, a copy back, or pool memory
+        assert copy is not None
+        if page.ready is not None and not page.original:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(page.ready)
+            copy.record_stream(current)
+        offset = copy.storage_offset() // saved.dtype.itemsize + saved.offset
+        out = torch.empty(0, dtype=saved.dtype, device=self.device)
+        return out.set_(copy.untyped_storage(), offset, saved.size, saved.stride)
+
+
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of `storage`."""
+    out = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return out.set_(storage, 0, (storage.nbytes(),), (1,))
