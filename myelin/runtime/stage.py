@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from myelin.errors import MyelinError
+from myelin.losses import StepLoss, step_loss
 from myelin.offload.activations import ActivationStore
 
 __all__ = ["InputMismatch", "Stage", "as_tuple"]
@@ -67,6 +68,7 @@ class Stage:
         self.num_stages = num_stages
         self.device = device
         self.loss_fn = loss_fn
+        self.shares = isinstance(loss_fn, StepLoss)  # losses are shares of the step's: not divided
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self._flights: dict[int, _Flight] = {}
@@ -82,7 +84,8 @@ class Stage:
         """Run the forward of microbatch `mb`; on the last stage, also its loss.
 
         The loss is divided by `divisor` (the microbatch count) before its backward,
-        as in gradient accumulation. `page_out`: page what autograd saves out to host
+        as in gradient accumulation, unless it is a share of the step's loss (a
+        `myelin.losses.StepLoss`). `page_out`: page what autograd saves out to host
         memory (the backward is not next). Returns the outputs to send on (last stage: ()).
         """
         inputs = tuple(self._receive(t) for t in inputs)
@@ -102,7 +105,7 @@ class Stage:
                 f"loss_fn must return a scalar tensor, got "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             )
-        scaled = loss.reshape(()) / divisor
+        scaled = loss.reshape(()) if self.shares else loss.reshape(()) / divisor
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._flights[mb] = _Flight(inputs, (scaled,), loss.detach())
@@ -116,7 +119,7 @@ class Stage:
         try:
             return self.module(*inputs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-            if isinstance(exc, torch.OutOfMemoryError):
+            if isinstance(exc, (torch.OutOfMemoryError, MyelinError)):
                 raise
             raise InputMismatch() from exc
 
@@ -144,6 +147,14 @@ class Stage:
         if t.is_floating_point():
             t.requires_grad_(True)
         return t
+
+    def step_targets(self, targets: list[Any]) -> list[Any]:
+        """A step's per-microbatch targets as the loss takes them (a StepLoss's shares)."""
+        return self.loss_fn.shares(targets) if self.shares else targets
+
+    def step_loss(self, losses: list[float]) -> float:
+        """The step's loss from its microbatches' losses, in microbatch order."""
+        return step_loss(self.loss_fn, losses)
 
     def loss(self, mb: int) -> float:
         """The unscaled loss of microbatch `mb` (last stage only, after its forward)."""
