@@ -43,6 +43,8 @@ def _check(job, cases, stages):
         )
         if how == ["meta"]:
             _check_per_rank_loading(job, case)
+        if how == ["compiled"]:
+            assert all(res[case]["graphs"] >= 1 for res in job.results.values()), case
 
 
 def _check_per_rank_loading(job, case):
@@ -63,6 +65,7 @@ TWO = [f"{family}:2" for family in sorted(fam.FAMILIES)] + [
     "gemma:2:meta",
     "llama:2:checkpointing",
     "gpt2:2:whole",
+    "qwen2:2:compiled",
 ]
 FOUR = [f"{family}:4" for family in sorted(fam.FAMILIES)] + ["llama_tied:4:meta", "gpt2:4:whole"]
 

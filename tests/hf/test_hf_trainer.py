@@ -76,6 +76,24 @@ def test_gradient_checkpointing_switched_on_before_wrapping_changes_nothing():
     assert all(block.gradient_checkpointing for block in model.model.layers)
 
 
+def test_a_compiled_model_compiles_each_block_and_trains_the_same():
+    model = fam.build("llama")
+    losses, state = _train(torch.compile(model, backend="aot_eager"))
+    reference = fam.build("llama")
+    assert losses == fam.train_plain(reference)  # aot_eager keeps eager numerics
+    assert fam.max_diff(state, reference.state_dict()) == 0.0
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers)
+
+
+@pytest.mark.slow
+def test_a_model_compiled_with_inductor_trains_within_rounding():
+    model = fam.build("gpt_neox")
+    losses, state = _train(torch.compile(model))
+    reference = fam.build("gpt_neox")
+    assert losses == pytest.approx(fam.train_plain(reference), rel=1e-6)
+    assert fam.max_diff(state, reference.state_dict()) < 1e-4
+
+
 @pytest.mark.parametrize("family", ["llama_tied", "gpt_neox"])
 def test_state_dict_and_save_pretrained_hand_back_a_plain_hf_model(family, tmp_path):
     model = fam.build(family)

@@ -7,7 +7,9 @@ where CASE is family:stages[:how] and how is
                   HF's save_pretrained wrote in many small shards (the reference loads it
                   with from_pretrained);
   checkpointing   model.gradient_checkpointing_enable() before wrapping;
-  whole           one microbatch per step.
+  whole           one microbatch per step;
+  compiled        passed as torch.compile(model, backend="aot_eager"): each stage compiles
+                  its blocks (aot_eager keeps eager numerics, so results stay bit for bit).
 Every case uses all N processes (stages = N).
 """
 
@@ -46,6 +48,7 @@ def run_case(case, scratch):
         model, reference = fam.build(family), fam.build(family)
         if how == "checkpointing":
             model.gradient_checkpointing_enable()
+    given = torch.compile(model, backend="aot_eager") if how == "compiled" else model
     opened = []
     real_open = safetensors.safe_open
 
@@ -56,7 +59,7 @@ def run_case(case, scratch):
     safetensors.safe_open = spy
     try:
         trainer = myelin.Trainer(
-            model,
+            given,
             functools.partial(torch.optim.AdamW, lr=fam.LR),
             stages=stages,
             microbatches=microbatches,
@@ -73,6 +76,8 @@ def run_case(case, scratch):
         result["losses"] = losses
         result["ref_losses"] = fam.train_plain(reference, microbatches=microbatches)
         result["stage"] = trainer.stage
+        if how == "compiled":
+            result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if how == "meta":
             index = json.loads((weights / "model.safetensors.index.json").read_text())["weight_map"]
             mine = {k for k, p in model.state_dict(keep_vars=True).items() if not p.is_meta}
