@@ -29,7 +29,7 @@ from myelin.checkpoint import CheckpointError
 from myelin.errors import ConfigError
 from myelin.runtime.group import World
 
-__all__ = ["INDEX", "SINGLE", "check_folder", "full_names", "load", "save"]
+__all__ = ["INDEX", "SINGLE", "check_folder", "configs_of", "full_names", "load", "save"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -46,6 +46,13 @@ def check_folder(path: Any, what: str = "weights") -> Path:
             f"written by save_pretrained (safetensors weights)"
         )
     return folder
+
+
+def configs_of(model: Any) -> list[Any]:
+    """What `save` writes beside the weights: the model's config and generation config,
+    where it has them with a `save_pretrained` (as HuggingFace models do)."""
+    parts = (getattr(model, "config", None), getattr(model, "generation_config", None))
+    return [p for p in parts if callable(getattr(p, "save_pretrained", None))]
 
 
 def full_names(model: Any, module: nn.Module) -> dict[str, list[str]]:

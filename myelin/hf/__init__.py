@@ -2,7 +2,7 @@
 trained on HF's own loss. Nothing here imports transformers: a model is HuggingFace's when
 transformers is loaded and its `PreTrainedModel` says so."""
 
-from myelin.hf.loss import CausalLMLoss, labelled
+from myelin.hf.loss import CausalLMLoss, labelled, own_loss
 from myelin.hf.shape import BY_HAND, Found, find, is_hf_model
 from myelin.hf.stage import INPUTS, Ends, HFStage, layers_of
 
@@ -17,4 +17,5 @@ __all__ = [
     "is_hf_model",
     "labelled",
     "layers_of",
+    "own_loss",
 ]

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from myelin.errors import ConfigError
+from myelin.hf.shape import is_hf_model
 from myelin.losses import StepLoss
 
-__all__ = ["CausalLMLoss", "labelled"]
+__all__ = ["CausalLMLoss", "labelled", "own_loss"]
 
 IGNORE = -100
 
@@ -41,6 +42,16 @@ class CausalLMLoss(StepLoss):
         return self.loss_function(
             logits=logits, labels=labels, vocab_size=self.vocab_size, num_items_in_batch=count
         )
+
+
+def own_loss(model: nn.Module) -> CausalLMLoss:
+    """The loss a model brings with it: a HuggingFace causal LM's own; others bring none."""
+    if not is_hf_model(model):
+        raise ConfigError(
+            f"loss_fn is needed for a {type(model).__name__}: loss_fn(output, target) -> "
+            f"scalar tensor; only a HuggingFace causal LM brings its own"
+        )
+    return CausalLMLoss(model)
 
 
 def labelled(labels: Any) -> int:
