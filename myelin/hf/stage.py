@@ -61,7 +61,8 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
 
 
 class _Stop(Exception):  # noqa: N818 (control flow, never seen outside this module)
-    """Raised at the input of the first block after the stage's own, carrying it."""
+    """Ends a stage's forward with its output hidden state: raised right after its last
+    block (or, for a stage of embeddings only, at the input of the first block)."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__()
