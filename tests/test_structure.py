@@ -38,6 +38,7 @@ LAYERS = {
         "myelin.metrics",
         "myelin.lr",
         "myelin.checkpoint",
+        "myelin.pretrained",
     ],
     "engine": [
         "myelin.runtime",
@@ -50,8 +51,10 @@ LAYERS = {
         "myelin.init",
         "myelin.precision",
         "myelin.data",
+        "myelin.hf",
+        "myelin.compiled",
     ],
-    "base": ["myelin.errors", "myelin.atomic"],
+    "base": ["myelin.errors", "myelin.atomic", "myelin.layers", "myelin.losses"],
 }
 
 

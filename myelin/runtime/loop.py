@@ -141,7 +141,7 @@ class EventLoop:
         except BaseException:
             stage.clear()
             raise
-        loss = sum(self._losses[i] for i in range(m)) / m
+        loss = stage.step_loss([self._losses[i] for i in range(m)])
         self.flight.now(f"reducing gradients at the end of step {step}")
         self._sum_tied()
         loss = self._agree(loss, train=True)
@@ -168,7 +168,6 @@ class EventLoop:
         `step` shares the numbering of training steps (the trainer counts both), so
         messages of an evaluation never mix with those of a training step.
         """
-        m = self.config.microbatches
         stage = self.stage
         ready, local = self._begin(step, inputs, targets)
         self._eval_losses: list[float] = []  # in the order the forwards ran
@@ -176,7 +175,7 @@ class EventLoop:
         try:
             self._drive(ready, self._forward_only)
             if stage.is_last:
-                ready.loss = sum(self._eval_losses) / m
+                ready.loss = stage.step_loss(self._eval_losses)
                 meta = {"op": "eval_loss", "value": ready.loss}
                 for s in range(stage.num_stages - 1):
                     msg = Message("control", self.world.rank, step, 0, s, [], meta)
@@ -201,7 +200,8 @@ class EventLoop:
         if stage.is_last and targets is None:
             raise ConfigError(f"rank {self.world.rank} holds the last stage and needs the targets")
         ready = Ready(stage.index, stage.num_stages, self.config.microbatches)
-        self._step, self._targets = step, targets
+        self._step = step
+        self._targets = stage.step_targets(targets) if stage.is_last else targets
         local: dict[int, tuple[torch.Tensor, ...]] = {}
         if stage.is_first:
             local = {i: as_tuple(inputs[i]) for i in range(ready.microbatches)}
