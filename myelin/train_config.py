@@ -25,6 +25,7 @@ from myelin.models.gpt import GPTConfig
 from myelin.offload.config import PRECISIONS, OffloadConfig
 from myelin.offload.pool import parse_bytes
 from myelin.runtime.schedule import SCHEDULES
+from myelin.train_model import NAMED, check
 
 __all__ = ["TrainConfig", "add_arguments", "config_from_args", "read_toml", "to_argv"]
 
@@ -67,6 +68,12 @@ POSITIVE = Range(0, 1, open_lo=True)  # (0, 1]
 class TrainConfig:
     """Every option of `myelin train`; checked when built, each error naming field and range."""
 
+    model: str = _opt(
+        "gpt",
+        "model",
+        "gpt (myelin's own), llama (a HuggingFace Llama sized by the options below; needs "
+        "myelin[hf]) or the path of a HuggingFace config.json, whose own sizes count",
+    )
     n_layer: int = _opt(4, "model", "transformer blocks", Range(1, 256))
     n_head: int = _opt(4, "model", "attention heads per block", Range(1, 256))
     d_model: int = _opt(128, "model", "width of the residual stream", Range(1, 16384))
@@ -126,10 +133,15 @@ class TrainConfig:
             raise ConfigError(
                 f"batch={self.batch} must split evenly into microbatches={self.microbatches}"
             )
-        if self.stages > self.n_layer + 2:
+        blocks = check(self.model)  # a config file's own block count
+        if blocks is None and self.model in NAMED:
+            blocks, where = self.n_layer, f"n_layer={self.n_layer}"
+        else:
+            where = f"{blocks} in {self.model}"
+        if blocks is not None and self.stages > blocks + 2:
             raise ConfigError(
-                f"stages={self.stages} exceeds the model's {self.n_layer + 2} layers "
-                f"(embedding, n_layer={self.n_layer} blocks, head)"
+                f"stages={self.stages} exceeds the model's {blocks + 2} layers "
+                f"(embedding, {where} blocks, head)"
             )
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr={self.min_lr} must not exceed lr={self.lr}")
