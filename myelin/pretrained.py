@@ -15,6 +15,7 @@ its first key, as HuggingFace writes it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterable
@@ -29,14 +30,30 @@ from myelin.checkpoint import CheckpointError
 from myelin.errors import ConfigError
 from myelin.runtime.group import World
 
-__all__ = ["INDEX", "SINGLE", "check_folder", "configs_of", "full_names", "load", "save"]
+__all__ = [
+    "INDEX",
+    "SINGLE",
+    "check_folder",
+    "configs_of",
+    "full_names",
+    "load",
+    "require_safetensors",
+    "save",
+]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
+def require_safetensors(what: str) -> None:
+    """A ConfigError saying what to install where the safetensors package is missing."""
+    if importlib.util.find_spec("safetensors") is None:
+        raise ConfigError(f"{what} reads and writes safetensors: pip install 'myelin[hf]'")
+
+
 def check_folder(path: Any, what: str = "weights") -> Path:
     """A folder holding model.safetensors or an index of shards, or a ConfigError."""
+    require_safetensors(what)
     if not isinstance(path, (str, os.PathLike)) or not path:
         raise ConfigError(f"{what}={path!r} must be a folder written by save_pretrained")
     folder = Path(path)

@@ -206,9 +206,10 @@ _GROUPS = ("model", "pipeline", "memory", "optimization", "logging", "data", "sa
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every option of `myelin train` to `parser`; each flag defaults to None (not given)."""
     parser.description = (
-        "Train a byte-level GPT on this Python's standard library source as a pipeline of "
-        "local processes. Writes config.json, metrics.jsonl, model.pt, profile/ and "
-        "sample.txt to the run directory. Training ends after --steps or --max-minutes, "
+        "Train a byte-level GPT (or a HuggingFace model, --model) on this Python's standard "
+        "library source as a pipeline of local processes. Writes config.json, metrics.jsonl, "
+        "model.pt, profile/ and sample.txt (and hf/ for a HuggingFace model) to the run "
+        "directory. Training ends after --steps or --max-minutes, "
         "whichever comes first, and the learning rate anneals by then. Options come from "
         "--config (TOML, keys as below with underscores) and from flags, which override it."
     )

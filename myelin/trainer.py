@@ -353,6 +353,7 @@ class Trainer:
         per stage) that `AutoModelForCausalLM.from_pretrained(path)` loads, and
         `Trainer(..., weights=path)` too; every rank must call it."""
         self._check_usable()
+        pretrained.require_safetensors("save_pretrained")
         pretrained.save(self.world, self.module, self._state_layout, path, self._configs)
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:

@@ -29,3 +29,13 @@ def test_a_gpt_saved_with_save_pretrained_starts_a_meta_gpt(tmp_path):
         got = trainer.state_dict()
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_without_safetensors_weights_and_save_pretrained_say_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(myelin.ConfigError, match=r"weights reads .* pip install 'myelin\[hf\]'"):
+        myelin.Trainer(GPT(CFG), ADAMW, lm_loss, weights=tmp_path)
+    with myelin.Trainer(GPT(CFG), ADAMW, lm_loss) as trainer:
+        with pytest.raises(myelin.ConfigError, match=r"save_pretrained reads and writes"):
+            trainer.save_pretrained(tmp_path / "out")
