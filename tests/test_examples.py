@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -96,8 +98,6 @@ def test_large_model_example_needs_offload_and_trains_with_it(tmp_path):
 
 
 def test_hf_llama_example_learns_saves_and_starts_again_from_its_folder(tmp_path):
-    import pytest
-
     pytest.importorskip("transformers")
     script = EXAMPLES / "hf_llama.py"
     first = _run_example(tmp_path, script, "--steps", "25", "--out", tmp_path / "a")
