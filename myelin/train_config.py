@@ -263,7 +263,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             table = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from None
-    for key in table:
+    for key, value in table.items():
+        if isinstance(value, dict):
+            raise ConfigError(
+                f"{path}: {key!r} is a section ([{key}]); options are top-level keys, "
+                f"known: {', '.join(FIELDS)}"
+            )
         if key not in FIELDS:
             near = difflib.get_close_matches(key, FIELDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""

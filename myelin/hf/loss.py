@@ -48,8 +48,8 @@ def own_loss(model: nn.Module) -> CausalLMLoss:
     """The loss a model brings with it: a HuggingFace causal LM's own; others bring none."""
     if not is_hf_model(model):
         raise ConfigError(
-            f"loss_fn is needed for a {type(model).__name__}: loss_fn(output, target) -> "
-            f"scalar tensor; only a HuggingFace causal LM brings its own"
+            f"loss_fn=None: a {type(model).__name__} needs a callable loss_fn(output, target) "
+            f"-> scalar tensor; only a HuggingFace causal LM brings its own"
         )
     return CausalLMLoss(model)
 
