@@ -137,5 +137,7 @@ def test_a_folder_that_does_not_match_is_named(tmp_path):
 
 
 def test_a_model_other_than_hf_needs_its_loss():
-    with pytest.raises(myelin.ConfigError, match="loss_fn=None: a Sequential needs a callable loss_fn"):
+    with pytest.raises(
+        myelin.ConfigError, match="loss_fn=None: a Sequential needs a callable loss_fn"
+    ):
         myelin.Trainer(torch.nn.Sequential(torch.nn.Linear(2, 2)), ADAMW)
