@@ -1,15 +1,20 @@
-"""`PipelineConfig`: how the model is split, scheduled and replicated; checked when built."""
+"""`PipelineConfig`: how the model is split, scheduled and replicated; checked when built.
+Also the checks of the Trainer's other arguments that must pass before any work starts."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from myelin import checkpoint
 from myelin.errors import ConfigError
 from myelin.runtime.schedule import SCHEDULES
 from myelin.runtime.transport_config import TransportConfig
 
-__all__ = ["PipelineConfig"]
+__all__ = ["PipelineConfig", "check_callables", "check_resume"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,3 +76,27 @@ class PipelineConfig:
 def _positive_int(name: str, value: Any) -> None:
     if type(value) is not int or value < 1:
         raise ConfigError(f"{name}={value!r} must be an int >= 1")
+
+
+def check_callables(optimizer: Any, loss_fn: Any) -> None:
+    """The optimizer is a factory (each stage builds its own), the loss a function."""
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise ConfigError(
+            f"optimizer={optimizer!r} must be a factory called with each stage's "
+            f"parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an "
+            f"optimizer instance"
+        )
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
+
+
+def check_resume(resume: Any) -> None:
+    """A checkpoint to resume from must exist before any work starts."""
+    if resume is None:
+        return
+    if not isinstance(resume, (str, os.PathLike)) or not resume:
+        raise ConfigError(f"resume={resume!r} must be a checkpoint directory")
+    try:
+        checkpoint.latest_version(resume)
+    except checkpoint.CheckpointError as exc:
+        raise ConfigError(f"resume={os.fspath(resume)!r}: {exc}") from None

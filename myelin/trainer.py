@@ -23,7 +23,7 @@ from torch import nn
 
 from myelin import checkpoint, compiled, hf, pretrained
 from myelin import fit as fit_loop
-from myelin.config import PipelineConfig
+from myelin.config import PipelineConfig, check_callables, check_resume
 from myelin.errors import ConfigError, MyelinError
 from myelin.failures import Failures
 from myelin.microbatch import split_batch
@@ -119,7 +119,7 @@ class Trainer:
         )
         model, self._compile_layer = compiled.unwrap(model)
         loss_fn = hf.own_loss(model) if loss_fn is None else loss_fn
-        _check_callables(optimizer, loss_fn)
+        check_callables(optimizer, loss_fn)
         self._weights = pretrained.check_folder(weights) if weights is not None else None
         self._configs = pretrained.configs_of(model)  # written beside the weights
         self._profile = ProfileConfig.from_arg(profile)
@@ -129,7 +129,7 @@ class Trainer:
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
         flight_dir = _flight_dir(run_dir)
-        _check_resume(resume)
+        check_resume(resume)
         layout = Layout(cfg.stages, cfg.data_parallel)
         if cfg.stages > 1 or cfg.partition is not None:
             split(model, cfg.stages, cfg.partition)  # impossible splits fail before any work
@@ -423,18 +423,6 @@ class Trainer:
         self.close()
 
 
-def _check_callables(optimizer: Any, loss_fn: Any) -> None:
-    """The optimizer is a factory (each stage builds its own), the loss a function."""
-    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-        raise ConfigError(
-            f"optimizer={optimizer!r} must be a factory called with each stage's "
-            f"parameters, e.g. functools.partial(torch.optim.AdamW, lr=1e-3), not an "
-            f"optimizer instance"
-        )
-    if not callable(loss_fn):
-        raise ConfigError(f"loss_fn={loss_fn!r} must be callable: loss_fn(output, target)")
-
-
 def _flight_dir(run_dir: Any) -> Path:
     """Where flight records go: run_dir/flight, else $MYELIN_RUN_DIR/flight or ./myelin-flight."""
     if run_dir is None:
@@ -442,15 +430,3 @@ def _flight_dir(run_dir: Any) -> Path:
     if not isinstance(run_dir, (str, os.PathLike)) or not run_dir:
         raise ConfigError(f"run_dir={run_dir!r} must be a directory path")
     return Path(run_dir) / "flight"
-
-
-def _check_resume(resume: Any) -> None:
-    """A checkpoint to resume from must exist before any work starts."""
-    if resume is None:
-        return
-    if not isinstance(resume, (str, os.PathLike)) or not resume:
-        raise ConfigError(f"resume={resume!r} must be a checkpoint directory")
-    try:
-        checkpoint.latest_version(resume)
-    except checkpoint.CheckpointError as exc:
-        raise ConfigError(f"resume={os.fspath(resume)!r}: {exc}") from None
