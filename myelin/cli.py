@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_job.add_arguments(
         sub.add_parser(
             "train",
-            help="train a small GPT on the Python standard library's source (no download, "
-            "no GPU), as a 2-stage pipeline of local processes",
+            help="train a small GPT (or, with --model, a HuggingFace Llama or config) on the "
+            "Python standard library's source (no download, no GPU), as a 2-stage pipeline "
+            "of local processes",
         )
     )
 

@@ -1,4 +1,5 @@
-"""`PipelineConfig`: how the model is split, scheduled and replicated; checked when built."""
+"""`PipelineConfig`: how the model is split, scheduled and replicated; checked when built.
+Also the checks of the Trainer's other arguments that must pass before any work starts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from myelin.runtime.flight import default_dir
 from myelin.runtime.schedule import SCHEDULES
 from myelin.runtime.transport_config import TransportConfig
 
-__all__ = ["PipelineConfig", "check_callables", "check_max_grad_norm", "flight_dir_of"]
+__all__ = [
+    "PipelineConfig",
+    "check_callables",
+    "check_max_grad_norm",
+    "flight_dir_of",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

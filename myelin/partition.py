@@ -2,8 +2,8 @@
 
 A model is a sequence of layers: an `nn.Sequential`, a list of modules, any
 module with a `pipeline_layers()` method returning such a list (as
-`myelin.models.GPT` does), or a HuggingFace `GPT2LMHeadModel` (adapted here as
-[embeddings, blocks..., final norm + LM head], its tied embedding kept tied).
+`myelin.models.GPT` does), or a HuggingFace causal LM, whose layers are
+[embeddings, blocks..., head] and whose stages run its own forward (`myelin.hf`).
 Stages are balanced by parameter count (each layer counts at least one, so
 parameter-free layers spread too), or follow an explicit layer count per stage,
 `partition=[layers of stage 0, layers of stage 1, ...]`.
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
+from myelin import hf
 from myelin.errors import PartitionError
+from myelin.layers import StageModule
 
 __all__ = [
     "StageModule",
@@ -29,23 +30,6 @@ __all__ = [
 ]
 
 
-class StageModule(nn.Sequential):
-    """Layers run in order; a layer that returns a tuple passes it on as separate arguments.
-
-    `first_layer` is the index of its first layer in the whole model.
-    """
-
-    def __init__(self, layers: Sequence[nn.Module], first_layer: int = 0) -> None:
-        super().__init__(*layers)
-        self.first_layer = first_layer
-
-    def forward(self, *args):  # noqa: D102
-        for layer in self:
-            out = layer(*args)
-            args = out if isinstance(out, tuple) else (out,)
-        return args[0] if len(args) == 1 else args
-
-
 def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """The model as an ordered list of layers, or a PartitionError saying how to make one."""
     if isinstance(model, nn.Sequential):
@@ -54,12 +38,13 @@ def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
         layers = list(model)
     elif hasattr(model, "pipeline_layers"):
         layers = list(model.pipeline_layers())
-    elif _is_hf_gpt2(model):
-        layers = _hf_gpt2_layers(model)
+    elif hf.is_hf_model(model):
+        layers = hf.layers_of(model)
     else:
         raise PartitionError(
             f"cannot split a {type(model).__name__} into stages: pass an nn.Sequential, a list "
-            "of modules, or a module with a pipeline_layers() method returning its layers in order"
+            "of modules, a module with a pipeline_layers() method returning its layers in "
+            "order, or a HuggingFace causal LM"
         )
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
@@ -127,10 +112,13 @@ def stage_module(
     if not 0 <= index < stages:
         raise PartitionError(f"stage index {index} is out of range of {stages}")
     if stages == 1 and partition is None and isinstance(model, nn.Module):
-        if not isinstance(model, (nn.Sequential, nn.ModuleList)):
+        if not isinstance(model, (nn.Sequential, nn.ModuleList)) and not hf.is_hf_model(model):
             return model  # one stage runs the model's own forward
     groups = split(model, stages, partition)
-    return StageModule(groups[index], first_layer=sum(len(g) for g in groups[:index]))
+    first = sum(len(g) for g in groups[:index])
+    if hf.is_hf_model(model):
+        return hf.HFStage(model, groups[index], first)
+    return StageModule(groups[index], first_layer=first)
 
 
 def _params(module: nn.Module) -> int:
@@ -159,66 +147,3 @@ def cross_stage_ties(
         if len(owners) > 1:
             ties.setdefault(owners, set()).add(pid)
     return ties
-
-
-# -- HuggingFace GPT-2 ---------------------------------------------------------------
-
-
-def _is_hf_gpt2(model: object) -> bool:
-    t = getattr(model, "transformer", None)
-    return (
-        type(model).__name__ == "GPT2LMHeadModel"
-        and all(hasattr(t, a) for a in ("wte", "wpe", "drop", "h", "ln_f"))
-        and hasattr(model, "lm_head")
-    )
-
-
-def _hf_gpt2_layers(model: nn.Module) -> list[nn.Module]:
-    t = model.transformer
-    impl = getattr(model.config, "_attn_implementation", "eager")
-    return [
-        _GPT2Embedding(t),
-        *(_GPT2Block(b, impl) for b in t.h),
-        _GPT2Head(t.ln_f, model.lm_head),
-    ]
-
-
-class _GPT2Embedding(nn.Module):
-    """GPT-2's token and position embeddings: input_ids (B, T) -> hidden (B, T, C)."""
-
-    def __init__(self, transformer: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(pos))
-
-
-class _GPT2Block(nn.Module):
-    """One GPT-2 block, causal; hidden (B, T, C) -> hidden (B, T, C)."""
-
-    def __init__(self, block: nn.Module, attn_implementation: str) -> None:
-        super().__init__()
-        self.block = block
-        self.sdpa = attn_implementation == "sdpa"  # sdpa is causal when given no mask
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = None
-        if not self.sdpa:
-            T = x.shape[1]
-            mask = torch.full((T, T), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype)
-            mask = mask.triu(1)[None, None]
-        out = self.block(x, attention_mask=mask)
-        return out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
-
-
-class _GPT2Head(nn.Module):
-    """Final layer norm and the LM head (whose weight is the token embedding's)."""
-
-    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))

@@ -3,15 +3,17 @@
     myelin train                                   # ~3 minutes on 2 CPU cores, 2 stages
     myelin train --steps 30 --out /tmp/run         # a quick run
     myelin train --config run.toml --lr 1e-3       # options from TOML; flags override it
+    myelin train --model llama                     # a HuggingFace Llama instead (myelin[hf])
     torchrun --nproc-per-node 2 -m myelin.train    # the same job under torchrun
 
 Nothing to download and no GPU needed. Started alone, the job launches its own
 `stages x data_parallel` local processes; inside a rank (RANK set) it trains, on
 `Trainer.fit`. Rank 0 shows a progress bar and writes the run directory: config.json
-(the resolved options), metrics.jsonl, model.pt (the final weights as a plain GPT
-state_dict), profile/ (where the time went, and a Perfetto trace) and sample.txt; at
-the end it prints where the time went and a sample of generated text. The options are
-`train_config.py`'s.
+(the resolved options), metrics.jsonl, model.pt (the final weights as the model's own
+state_dict; a HuggingFace model also gets hf/, a save_pretrained folder), profile/ (where
+the time went, and a Perfetto trace) and sample.txt; at the end it prints where the time
+went and a sample of generated text. The options are `train_config.py`'s; the models
+`train_model.py`'s.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from myelin import train_model
 from myelin.callbacks import Callback
-from myelin.data import Batches, TextData, decode, encode, load_stdlib_text
+from myelin.data import VOCAB_SIZE, Batches, TextData, decode, encode, load_stdlib_text
 from myelin.errors import ConfigError
 from myelin.launch import launch
 from myelin.lr import WarmupCosine
 from myelin.metrics import all_reduce
-from myelin.models.gpt import GPT, lm_loss
+from myelin.models.gpt import lm_loss
 from myelin.profile.config import ProfileConfig
 from myelin.profile.records import write_json
 from myelin.profile.report import gather_report
@@ -91,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
 def train(cfg: TrainConfig) -> None:
     """Train as this process's rank: build, run the steps, then report and sample."""
     data = load_stdlib_text(cfg.max_bytes, cfg.val_fraction)
-    model = GPT(cfg.model_config())  # the same weights on every rank; each keeps its stage
+    model = train_model.build(cfg)  # the same weights on every rank; each keeps its stage
     optimizer = functools.partial(_adamw, lr=cfg.lr, weight_decay=cfg.weight_decay)
     trainer = Trainer(
         model,
@@ -145,11 +148,10 @@ def _agree_run_dir(cfg: TrainConfig, trainer: Trainer) -> Path:
     return Path(trainer.world.store.get(key).decode())  # waits until rank 0 has set it
 
 
-def _header(cfg: TrainConfig, model: GPT, data: TextData, run_dir: Path) -> str:
+def _header(cfg: TrainConfig, model: torch.nn.Module, data: TextData, run_dir: Path) -> str:
     """What is about to run, on what data, and where its results go."""
-    params = sum(p.numel() for p in model.parameters())
     return (
-        f"myelin train: GPT {cfg.n_layer} layers x {cfg.d_model} ({params / 1e6:.2f}M params) "
+        f"myelin train: {train_model.describe(cfg, model)} "
         f"as {cfg.stages} stages x {cfg.data_parallel} replica(s); up to {cfg.steps} steps of "
         f"{cfg.batch} x {cfg.block_size} bytes in {cfg.max_minutes:g} min\n"
         f"data: {data.train.numel() / 1e6:.1f} MB train, {data.val.numel() / 1e6:.2f} MB val "
@@ -240,6 +242,8 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
     report = gather_report(trainer.timeline, trainer.world)  # collective, JSON via the store
     state = trainer.state_dict()  # collective: the whole model on rank 0, None elsewhere
     memory = trainer.memory_stats()
+    if train_model.is_hf(cfg.model):  # collective: a folder from_pretrained loads
+        trainer.save_pretrained(run_dir / "hf")
     write_json(run_dir / "memory" / f"rank{trainer.rank}.json", memory, indent=1)
     slots = [0.0] * trainer.world_size  # every rank's resident memory, for rank 0's summary
     slots[trainer.rank] = float(memory["rss_bytes"])
@@ -257,7 +261,7 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
         (first_step, first), (last_step, last) = val_curve[0], val_curve[-1]
         _say(f"validation loss {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step})")
     if cfg.sample_tokens:
-        model = GPT(cfg.model_config())
+        model = train_model.build(cfg)
         model.load_state_dict(state)
         text = sample(
             model.eval(), cfg.prompt, cfg.sample_tokens, cfg.temperature, cfg.top_k, cfg.seed
@@ -282,12 +286,15 @@ def _memory_line(m: dict[str, Any]) -> str:
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: str, tokens: int, temperature: float, top_k: int, seed: int) -> str:
+def sample(
+    model: torch.nn.Module, prompt: str, tokens: int, temperature: float, top_k: int, seed: int
+) -> str:
     """Continue `prompt` by `tokens` bytes, sampling from the top-k at `temperature`."""
     g = torch.Generator().manual_seed(seed)
     idx = encode(prompt)[None, :]  # (1, T)
     for _ in range(tokens):
-        logits = model(idx[:, -model.config.block_size :])[0, -1] / temperature  # (vocab,)
+        window = idx[:, -train_model.context(model) :]
+        logits = train_model.logits(model, window)[0, -1, :VOCAB_SIZE] / temperature  # (vocab,)
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         probs = torch.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
         idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)[None]], dim=1)

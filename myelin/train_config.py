@@ -25,6 +25,7 @@ from myelin.models.gpt import GPTConfig
 from myelin.offload.config import PRECISIONS, OffloadConfig
 from myelin.offload.pool import parse_bytes
 from myelin.runtime.schedule import SCHEDULES
+from myelin.train_model import NAMED, check
 
 __all__ = ["TrainConfig", "add_arguments", "config_from_args", "read_toml", "to_argv"]
 
@@ -67,6 +68,12 @@ POSITIVE = Range(0, 1, open_lo=True)  # (0, 1]
 class TrainConfig:
     """Every option of `myelin train`; checked when built, each error naming field and range."""
 
+    model: str = _opt(
+        "gpt",
+        "model",
+        "gpt (myelin's own), llama (a HuggingFace Llama sized by the options below; needs "
+        "myelin[hf]) or the path of a HuggingFace config.json, whose own sizes count",
+    )
     n_layer: int = _opt(4, "model", "transformer blocks", Range(1, 256))
     n_head: int = _opt(4, "model", "attention heads per block", Range(1, 256))
     d_model: int = _opt(128, "model", "width of the residual stream", Range(1, 16384))
@@ -126,10 +133,15 @@ class TrainConfig:
             raise ConfigError(
                 f"batch={self.batch} must split evenly into microbatches={self.microbatches}"
             )
-        if self.stages > self.n_layer + 2:
+        blocks = check(self.model)  # a config file's own block count
+        if blocks is None and self.model in NAMED:
+            blocks, where = self.n_layer, f"n_layer={self.n_layer}"
+        else:
+            where = f"{blocks} in {self.model}"
+        if blocks is not None and self.stages > blocks + 2:
             raise ConfigError(
-                f"stages={self.stages} exceeds the model's {self.n_layer + 2} layers "
-                f"(embedding, n_layer={self.n_layer} blocks, head)"
+                f"stages={self.stages} exceeds the model's {blocks + 2} layers "
+                f"(embedding, {where} blocks, head)"
             )
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr={self.min_lr} must not exceed lr={self.lr}")
@@ -194,9 +206,10 @@ _GROUPS = ("model", "pipeline", "memory", "optimization", "logging", "data", "sa
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every option of `myelin train` to `parser`; each flag defaults to None (not given)."""
     parser.description = (
-        "Train a byte-level GPT on this Python's standard library source as a pipeline of "
-        "local processes. Writes config.json, metrics.jsonl, model.pt, profile/ and "
-        "sample.txt to the run directory. Training ends after --steps or --max-minutes, "
+        "Train a byte-level GPT (or a HuggingFace model, --model) on this Python's standard "
+        "library source as a pipeline of local processes. Writes config.json, metrics.jsonl, "
+        "model.pt, profile/ and sample.txt (and hf/ for a HuggingFace model) to the run "
+        "directory. Training ends after --steps or --max-minutes, "
         "whichever comes first, and the learning rate anneals by then. Options come from "
         "--config (TOML, keys as below with underscores) and from flags, which override it."
     )
@@ -250,7 +263,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             table = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from None
-    for key in table:
+    for key, value in table.items():
+        if isinstance(value, dict):
+            raise ConfigError(
+                f"{path}: {key!r} is a section ([{key}]); options are top-level keys, "
+                f"known: {', '.join(FIELDS)}"
+            )
         if key not in FIELDS:
             near = difflib.get_close_matches(key, FIELDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""

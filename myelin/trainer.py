@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint
+from myelin import checkpoint, compiled, hf, pretrained
 from myelin import fit as fit_loop
 from myelin.config import (
     PipelineConfig,
@@ -74,13 +74,18 @@ class Trainer:
     """Trains `model` split into `stages` pipeline stages, `data_parallel` times over.
 
     optimizer: called with this stage's parameters, e.g. partial(torch.optim.AdamW, lr=1e-3).
-    loss_fn: loss_fn(output, target) -> scalar tensor, applied on the last stage.
+    loss_fn: loss_fn(output, target) -> scalar tensor, applied on the last stage. For a
+        HuggingFace causal LM the default is its own loss (myelin.hf.CausalLMLoss): labels
+        as HF takes them, the step's loss that of HF's forward on the whole batch.
     device: this rank's device; default its local GPU, else the CPU.
     profile: record every operation, wait and send (`trainer.timeline`) and sample GPU and
         memory counters; at close, print where each rank sat idle and why. A directory
         (profile="out/dir") also gets summary.json, trace.json and timeline.png; a
         myelin.profile.report.ProfileConfig sets the details.
     resume: a checkpoint directory written by `save`; training continues from it.
+    weights: a folder written by `save_pretrained` (HuggingFace's layout, safetensors,
+        sharded or not) to start from; each rank reads only its own stage's tensors, so a
+        model built under `myelin.init_empty()` is never whole in any process.
     offload: a myelin.OffloadConfig: page activations and optimizer state out to host memory.
     precision: "fp32", "bf16" or "fp16" (with dynamic loss scaling); in half precision the
         optimizer updates fp32 master weights.
@@ -108,7 +113,7 @@ class Trainer:
         self,
         model: nn.Module | Sequence[nn.Module],
         optimizer: Callable[..., torch.optim.Optimizer],
-        loss_fn: Callable[..., torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor] | None = None,
         *,
         stages: int = 1,
         microbatches: int = 1,
@@ -121,6 +126,7 @@ class Trainer:
         device: str | torch.device | None = None,
         profile: bool | str | os.PathLike | ProfileConfig = False,
         resume: str | os.PathLike | None = None,
+        weights: str | os.PathLike | None = None,
         offload: OffloadConfig | None = None,
         precision: str = "fp32",
         device_memory_limit: int | str | None = None,
@@ -139,8 +145,12 @@ class Trainer:
             timeout=timeout,
             transport=transport if transport is not None else TransportConfig(),
         )
+        model, self._compile_layer = compiled.unwrap(model)
+        loss_fn = hf.own_loss(model) if loss_fn is None else loss_fn
         check_callables(optimizer, loss_fn, lr_schedule)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self._weights = pretrained.check_folder(weights) if weights is not None else None
+        self._configs = pretrained.configs_of(model)  # written beside the weights
         self._profile = ProfileConfig.from_arg(profile)
         if offload is not None and not isinstance(offload, OffloadConfig):
             raise ConfigError(f"offload={offload!r} must be a myelin.OffloadConfig")
@@ -186,7 +196,12 @@ class Trainer:
             clip = GlobalNorm(
                 self.max_grad_norm, slots, total, counts=world.replica == 0, device=world.device
             )
+        full = pretrained.full_names(model, stages[world.stage]) if self._weights else None
         self.module, tied = place_stage(model, cfg, world)
+        if full is not None:
+            pretrained.load(self.module, full, self._weights)
+        if self._compile_layer is not None:
+            compiled.compile_stage(self.module, self._compile_layer)
         dtype = compute_dtype(self.precision)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         names = [local_names[n] for n, p in self.module.named_parameters() if p.requires_grad]
@@ -377,6 +392,14 @@ class Trainer:
         myelin."""
         self._check_usable()
         return checkpoint.gather(self, self._state_layout)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write the model as a HuggingFace folder (config.json and safetensors, one file
+        per stage) that `AutoModelForCausalLM.from_pretrained(path)` loads, and
+        `Trainer(..., weights=path)` too; every rank must call it."""
+        self._check_usable()
+        pretrained.require_safetensors("save_pretrained")
+        pretrained.save(self.world, self.module, self._state_layout, path, self._configs)
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -116,3 +118,18 @@ def test_large_model_example_on_one_process_needs_offload_and_trains_with_it(tmp
     assert res.returncode != 0
     assert "DeviceMemoryError" in res.stderr and "device_memory_limit=40 MiB" in res.stderr
     assert "OffloadConfig(activations=True)" in res.stderr
+
+
+def test_hf_llama_example_learns_saves_and_starts_again_from_its_folder(tmp_path):
+    pytest.importorskip("transformers")
+    script = EXAMPLES / "hf_llama.py"
+    first = _run_example(tmp_path, script, "--steps", "25", "--out", tmp_path / "a")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    again = _run_example(
+        tmp_path, script, "--steps", "25", "--out", tmp_path / "b", "--start-from", tmp_path / "a"
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    val = [float(re.search(r"val loss (\d+\.\d+)", r.stdout).group(1)) for r in (first, again)]
+    assert val[1] < val[0], (first.stdout, again.stdout)  # the second run went on from the first
+    assert f"loaded {tmp_path / 'b'} with from_pretrained" in again.stdout
+    assert (tmp_path / "b" / "model.safetensors.index.json").is_file()

@@ -220,6 +220,12 @@ def test_bad_values_are_named(values, message):
         TrainConfig(**values)
 
 
+def test_a_huggingface_model_without_transformers_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"model='llama' needs .*pip install 'myelin\[hf\]'"):
+        TrainConfig(model="llama")
+
+
 def test_bad_toml_value_names_the_field(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("val_fraction = 1.5\n")

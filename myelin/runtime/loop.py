@@ -206,7 +206,8 @@ class EventLoop:
         if stage.is_last and targets is None:
             raise ConfigError(f"rank {self.world.rank} holds the last stage and needs the targets")
         ready = Ready(stage.index, stage.num_stages, self.config.microbatches)
-        self._step, self._targets = step, targets
+        self._step = step
+        self._targets = stage.step_targets(targets) if stage.is_last else targets
         local: dict[int, tuple[torch.Tensor, ...]] = {}
         if stage.is_first:
             local = {i: as_tuple(inputs[i]) for i in range(ready.microbatches)}
@@ -249,8 +250,10 @@ class EventLoop:
         return self._rows[mb] / sum(self._rows.values())
 
     def _mean(self, losses: dict[int, float], rows: dict[int, int]) -> float:
-        """The step's loss: the microbatches' mean, weighted by their rows if uneven."""
+        """The step's loss: the mean, by rows if uneven; a StepLoss's shares: their sum."""
         m = self.config.microbatches
+        if self.stage.shares:
+            return self.stage.step_loss([losses[i] for i in range(m)])
         if not rows:
             return sum(losses[i] for i in range(m)) / m
         return sum(losses[i] * rows[i] for i in range(m)) / sum(rows[i] for i in range(m))

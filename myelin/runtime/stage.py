@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from myelin.errors import MyelinError
+from myelin.losses import StepLoss, step_loss
 from myelin.offload.activations import ActivationStore
 from myelin.runtime.rng import LayerStreams
 
@@ -72,6 +73,7 @@ class Stage:
         self.num_stages = num_stages
         self.device = device
         self.loss_fn = loss_fn
+        self.shares = isinstance(loss_fn, StepLoss)  # losses are shares of the step's: not divided
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self._flights: dict[int, _Flight] = {}
@@ -89,7 +91,8 @@ class Stage:
 
         The loss is divided by `divisor` (the microbatch count) before its backward,
         as in gradient accumulation, or multiplied by `share` (its rows over the batch's)
-        when the batch split unevenly. `backward_next`: its backward runs right after, so
+        when the batch split unevenly, unless it is already a share of the step's loss (a
+        `myelin.losses.StepLoss`). `backward_next`: its backward runs right after, so
         the last layers of what autograd saves stay on the device. Returns the outputs to
         send on (last stage: ()).
         """
@@ -110,7 +113,10 @@ class Stage:
                 f"loss_fn must return a scalar tensor, got "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             )
-        scaled = loss.reshape(()) / divisor if share is None else loss.reshape(()) * share
+        if self.shares:
+            scaled = loss.reshape(())
+        else:
+            scaled = loss.reshape(()) / divisor if share is None else loss.reshape(()) * share
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._flights[mb] = _Flight(inputs, (scaled,), loss.detach())
@@ -124,7 +130,7 @@ class Stage:
         try:
             return self.module(*inputs)
         except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-            if isinstance(exc, torch.OutOfMemoryError):
+            if isinstance(exc, (torch.OutOfMemoryError, MyelinError)):
                 raise
             raise InputMismatch() from exc
 
@@ -157,6 +163,14 @@ class Stage:
         if t.is_floating_point():
             t.requires_grad_(True)
         return t
+
+    def step_targets(self, targets: list[Any]) -> list[Any]:
+        """A step's per-microbatch targets as the loss takes them (a StepLoss's shares)."""
+        return self.loss_fn.shares(targets) if self.shares else targets
+
+    def step_loss(self, losses: list[float]) -> float:
+        """The step's loss from its microbatches' losses, in microbatch order."""
+        return step_loss(self.loss_fn, losses)
 
     def loss(self, mb: int) -> float:
         """The unscaled loss of microbatch `mb` (last stage only, after its forward)."""

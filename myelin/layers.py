@@ -1,0 +1,26 @@
+"""A pipeline stage's layers as one module: run in order, tuples passed on as arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+__all__ = ["StageModule"]
+
+
+class StageModule(nn.Sequential):
+    """Layers run in order; a layer that returns a tuple passes it on as separate arguments.
+
+    `first_layer` is the index of its first layer in the whole model.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], first_layer: int = 0) -> None:
+        super().__init__(*layers)
+        self.first_layer = first_layer
+
+    def forward(self, *args):  # noqa: D102
+        for layer in self:
+            out = layer(*args)
+            args = out if isinstance(out, tuple) else (out,)
+        return args[0] if len(args) == 1 else args

@@ -1,0 +1,214 @@
+"""A model's weights as a HuggingFace folder: each rank reads, and writes, its stage only.
+
+    names = full_names(model, stage_module)     # before placing: local key -> model keys
+    load(module, names, "folder")               # this stage's tensors, nothing else
+    save(world, module, layout, "folder", [model.config])  # each stage its file; rank 0 the rest
+
+The folder is what `save_pretrained` writes and `from_pretrained` reads: config.json, and
+model.safetensors or model-0000i-of-0000n.safetensors with model.safetensors.index.json
+naming each tensor's file. Tensors carry the whole model's state_dict keys. Reading opens
+only the files holding this stage's tensors and copies only those tensors (safetensors
+maps the file and reads what is asked), so a rank never holds another stage's weights.
+A tensor tied under several keys (an embedding and its LM head) is written once, under
+its first key, as HuggingFace writes it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from myelin.checkpoint import CheckpointError
+from myelin.errors import ConfigError
+from myelin.runtime.group import World
+
+__all__ = [
+    "INDEX",
+    "SINGLE",
+    "check_folder",
+    "configs_of",
+    "full_names",
+    "load",
+    "require_safetensors",
+    "save",
+]
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def require_safetensors(what: str) -> None:
+    """A ConfigError saying what to install where the safetensors package is missing."""
+    if importlib.util.find_spec("safetensors") is None:
+        raise ConfigError(f"{what} reads and writes safetensors: pip install 'myelin[hf]'")
+
+
+def check_folder(path: Any, what: str = "weights") -> Path:
+    """A folder holding model.safetensors or an index of shards, or a ConfigError."""
+    require_safetensors(what)
+    if not isinstance(path, (str, os.PathLike)) or not path:
+        raise ConfigError(f"{what}={path!r} must be a folder written by save_pretrained")
+    folder = Path(path)
+    if not (folder / SINGLE).is_file() and not (folder / INDEX).is_file():
+        raise ConfigError(
+            f"{what}={os.fspath(path)!r} holds neither {SINGLE} nor {INDEX}: pass a folder "
+            f"written by save_pretrained (safetensors weights)"
+        )
+    return folder
+
+
+def configs_of(model: Any) -> list[Any]:
+    """What `save` writes beside the weights: the model's config and generation config,
+    where it has them with a `save_pretrained` (as HuggingFace models do)."""
+    parts = (getattr(model, "config", None), getattr(model, "generation_config", None))
+    return [p for p in parts if callable(getattr(p, "save_pretrained", None))]
+
+
+def full_names(model: Any, module: nn.Module) -> dict[str, list[str]]:
+    """Each state_dict key of `module` (a stage cut from `model`) -> the keys of the same
+    tensor in the whole model's state_dict (several when tied). Call it before placing the
+    stage: tensors are matched by identity."""
+    if module is model:
+        return {key: [key] for key in model.state_dict(keep_vars=True)}
+    whole: dict[int, list[str]] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        whole.setdefault(id(t), []).append(key)
+    return {key: whole.get(id(t), [key]) for key, t in module.state_dict(keep_vars=True).items()}
+
+
+def load(module: nn.Module, names: dict[str, list[str]], path: str | os.PathLike) -> list[str]:
+    """Copy this stage's tensors from the folder into `module`; returns the files opened.
+
+    Every tensor of the stage must be in the folder with its shape; what is missing or
+    misshapen is named in one CheckpointError.
+    """
+    from safetensors import safe_open
+
+    folder = check_folder(path)
+    index = _index(folder)
+    mine = module.state_dict(keep_vars=True)
+    plan: dict[str, list[tuple[str, str]]] = {}
+    missing = []
+    for local, keys in names.items():
+        key = next((k for k in keys if k in index), None)
+        if key is None:
+            missing.append(f"{keys[0]} {tuple(mine[local].shape)}")
+        else:
+            plan.setdefault(index[key], []).append((local, key))
+    problems = [f"missing: {m}" for m in missing]
+    with torch.no_grad():
+        for file in sorted(plan):
+            with safe_open(str(folder / file), framework="pt", device="cpu") as f:
+                for local, key in plan[file]:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(mine[local].shape):
+                        problems.append(
+                            f"{key}: the folder has {shape}, the model {tuple(mine[local].shape)}"
+                        )
+                        continue
+                    mine[local].copy_(f.get_tensor(key))
+    if problems:
+        raise CheckpointError(
+            f"{folder} does not match this stage of the model:\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
+    return sorted(plan)
+
+
+def save(
+    world: World,
+    module: nn.Module,
+    layout: list[list[tuple]],
+    path: str | os.PathLike,
+    extras: Iterable[Any] = (),
+) -> Path:
+    """Write the model as a save_pretrained folder; every rank must call it.
+
+    `layout` is `checkpoint.state_layout`'s: per stage, (local key, model keys, shape,
+    dtype). Replica 0's ranks each write their stage's file; then rank 0 writes the index
+    and the `extras` (objects with a `save_pretrained(folder)`: an HF config, a generation
+    config).
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = _file_names([[e for e in entries if e[1]] for entries in layout])
+    if world.replica == 0 and files[world.stage] is not None:
+        state = module.state_dict()
+        tensors = {
+            names[0]: state[local].detach().to("cpu").contiguous()
+            for local, names, _, _ in layout[world.stage]
+            if names
+        }
+        tmp = folder / f".{files[world.stage]}.tmp-{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, folder / files[world.stage])
+    _barrier(world)
+    if world.rank == 0:
+        if len([f for f in files if f]) > 1:
+            weight_map = {
+                names[0]: files[s]
+                for s, entries in enumerate(layout)
+                for _, names, _, _ in entries
+                if names
+            }
+            total = sum(
+                _nbytes(shape, dtype)
+                for entries in layout
+                for _, names, shape, dtype in entries
+                if names
+            )
+            text = json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
+            )
+            (folder / INDEX).write_text(text + "\n")
+        for extra in extras:
+            extra.save_pretrained(folder)
+    _barrier(world)
+    return folder
+
+
+def _file_names(stages: list[list[tuple]]) -> list[str | None]:
+    """Per stage, the file it writes (None: nothing to write): model.safetensors alone, else
+    model-0000i-of-0000n.safetensors."""
+    writing = [s for s, entries in enumerate(stages) if entries]
+    if len(writing) == 1:
+        return [SINGLE if s in writing else None for s in range(len(stages))]
+    n = len(writing)
+    names = {s: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, s in enumerate(writing)}
+    return [names.get(s) for s in range(len(stages))]
+
+
+def _index(folder: Path) -> dict[str, str]:
+    """Tensor key -> the file holding it."""
+    if (folder / INDEX).is_file():
+        try:
+            return dict(json.loads((folder / INDEX).read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{folder / INDEX} is unreadable: {exc}") from None
+    from safetensors import safe_open
+
+    with safe_open(str(folder / SINGLE), framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), SINGLE)
+
+
+def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _barrier(world: World) -> None:
+    if world.layout.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,130 @@
+"""A HuggingFace causal LM cut into stages runs its own forward: found by structure, chained
+stage by stage in one process it gives the whole model's logits, bit for bit."""
+
+from __future__ import annotations
+
+import hf_families as fam
+import pytest
+import torch
+import transformers as tf
+
+import myelin
+from myelin import PartitionError, hf
+from myelin.partition import layers_of, stage_module
+
+
+@pytest.mark.parametrize("family", sorted(fam.FAMILIES))
+def test_blocks_embeddings_and_head_are_found_from_structure(family):
+    model = fam.build(family)
+    found = hf.find(model)
+    assert len(found.blocks) == 4
+    assert all(b is m for b, m in zip(found.blocks, found.blocks))
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert any(m is embedding for m in found.before.values())
+    assert any(m is head for m in found.after.values())
+    assert not any(p for m in found.everywhere.values() for p in m.parameters())
+    layers = layers_of(model)
+    assert len(layers) == 6
+    # every parameter belongs to exactly one layer, ties aside
+    held = {id(p) for layer in layers for p in layer.parameters()}
+    assert held == {id(p) for p in model.parameters()}
+
+
+def _chain(model, stages, partition, inputs):
+    """Run stage after stage in this process, as the pipeline would, and return the logits."""
+    out = inputs
+    for s in range(stages):
+        module = stage_module(model, stages, s, partition)
+        out = module(*(out if isinstance(out, tuple) else (out,)))
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(fam.FAMILIES))
+def test_stages_chained_give_the_whole_models_logits(family):
+    model = fam.build(family).eval()
+    ids, mask, _ = fam.batch(0)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        for stages, partition in [(2, None), (3, [1, 4, 1]), (6, None), (2, [5, 1])]:
+            got = _chain(model, stages, partition, (ids, mask))
+            assert torch.equal(got, want), (family, stages, partition)
+        got = _chain(model, 3, [2, 2, 2], (ids,))  # no mask
+        assert torch.equal(got, model(input_ids=ids).logits)
+
+
+def test_a_stage_passes_the_hidden_state_and_the_inputs_on():
+    model = fam.build("llama")
+    ids, mask, _ = fam.batch(0)
+    hidden, *rest = stage_module(model, 2, 0)(ids, mask)
+    assert hidden.shape == (*ids.shape, 32) and hidden.dtype == torch.float32
+    assert rest[0] is ids and rest[1] is mask
+    assert stage_module(model, 2, 1)(hidden, ids, mask).shape == (*ids.shape, fam.VOCAB)
+
+
+def test_the_model_is_left_as_it_was_after_a_stage_ran():
+    model = fam.build("gpt2")
+    before = dict(model.named_modules())
+    ids, _, _ = fam.batch(0)
+    stage_module(model, 3, 1)(torch.zeros(*ids.shape, 32), ids)
+    assert dict(model.named_modules()) == before
+
+
+def test_an_encoder_decoder_model_is_refused_with_what_to_do():
+    model = tf.T5ForConditionalGeneration(
+        tf.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    )
+    with pytest.raises(PartitionError, match="encoder-decoder.*pass its layers by hand"):
+        myelin.split(model, 2)
+
+
+def test_a_model_without_block_classes_or_head_is_refused_naming_what_is_missing():
+    base = tf.LlamaModel(fam.config("llama"))  # no LM head
+    with pytest.raises(PartitionError, match=r"no LM head.*get_output_embeddings.*by hand"):
+        myelin.split(base, 2)
+    model = fam.build("llama")
+    model._no_split_modules = ["SomethingElse"]
+    with pytest.raises(PartitionError, match=r"ModuleList of \['SomethingElse'\].*found none"):
+        myelin.split(model, 2)
+    model._no_split_modules = None
+    with pytest.raises(PartitionError, match="_no_split_modules"):
+        myelin.split(model, 2)
+
+
+def test_a_module_used_on_the_other_side_of_the_blocks_is_named():
+    # OPT registers its final norm before its blocks but uses it after them.
+    config = tf.OPTConfig(
+        vocab_size=32,
+        hidden_size=16,
+        ffn_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+        max_position_embeddings=32,
+    )
+    model = tf.OPTForCausalLM(config)
+    ids = torch.randint(0, 32, (2, 5))
+    hidden = stage_module(model, 2, 0)(ids)
+    with pytest.raises(PartitionError, match=r"final_layer_norm is registered before the blocks"):
+        stage_module(model, 2, 1)(*hidden)
+
+
+def test_stage_inputs_that_are_not_token_ids_are_named():
+    model = fam.build("llama")
+    with pytest.raises(myelin.MyelinError, match=r"takes input_ids.*got float32\[2, 3\]"):
+        stage_module(model, 2, 0)(torch.zeros(2, 3))
+    with pytest.raises(myelin.MyelinError, match=r"takes \(hidden, input_ids, ...\)"):
+        stage_module(model, 2, 1)(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_a_meta_model_materialises_each_stage_and_its_rotary_tables():
+    eager = fam.build("llama")
+    myelin.init_layers(eager, layers_of(eager))
+    with myelin.init_empty():
+        meta = tf.LlamaForCausalLM(fam.config("llama"))
+    ids, mask, _ = fam.batch(0)
+    out = (ids, mask)
+    for s in range(2):
+        module = stage_module(meta, 2, s)
+        myelin.init.materialize(module, meta, list(module), module.first_layer)
+        out = module(*(out if isinstance(out, tuple) else (out,)))
+    assert torch.equal(out, eager(input_ids=ids, attention_mask=mask).logits)
