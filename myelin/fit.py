@@ -124,6 +124,10 @@ def fit(
     total = steps if steps is not None else _even_steps(trainer, loader, epochs or 1, uneven)
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
+    plan = getattr(getattr(trainer, "replicas", None), "plan", None)
+    if plan is not None and steps is None:  # DASO's epochs are the loader's
+        per_epoch = _epoch_steps(loader, 1)
+        plan(per_epoch, epochs or 1 if per_epoch is not None else None)
     host_device = trainer.world.device.type != "cuda"
     waits = trainer.world.waits
     meter = Meter(trainer.timeline, host_device, trainer.world.layout.data_parallel, waits)

@@ -13,6 +13,7 @@ loaders are fit.py's, checkpoints checkpoint.py's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
+from myelin.replicas import Context, choose
 from myelin.runtime.bounded import Waits
 from myelin.runtime.flight import default_dir
 from myelin.runtime.group import (
@@ -100,6 +102,7 @@ class Trainer:
         precision: str = "fp32",
         device_memory_limit: int | str | None = None,
         run_dir: str | os.PathLike | None = None,
+        sync: Any = "allreduce",
     ) -> None:
         self.config = cfg = PipelineConfig(
             stages=stages,
@@ -110,6 +113,7 @@ class Trainer:
             partition=partition,
             timeout=timeout,
             transport=transport if transport is not None else TransportConfig(),
+            sync=sync,
         )
         _check_callables(optimizer, loss_fn)
         self._profile = ProfileConfig.from_arg(profile)
@@ -118,6 +122,7 @@ class Trainer:
         self.offload = offload if offload is not None else OffloadConfig()
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
+        choose.check_supported(cfg.sync, bool(self.offload.optimizer), self.precision)
         flight_dir = _flight_dir(run_dir)
         _check_resume(resume)
         layout = Layout(cfg.stages, cfg.data_parallel)
@@ -173,6 +178,10 @@ class Trainer:
         )
         profiling = self._profile is not None
         self.timeline = Timeline(world.rank, world.stage, profiling, device=world.device)
+        trains = self.updater is not None  # a stage without an optimizer has nothing to agree
+        params = [p for p in self.module.parameters() if p.requires_grad and trains]
+        context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport)
+        self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
         self.loop = EventLoop(
             stage,
             world,
@@ -185,6 +194,7 @@ class Trainer:
             budget=self.budget,
             flight=self.flight,
             liveness=self.liveness,
+            replicas=self.replicas,
         )
         if self._profile is not None:
             self.sampler = Sampler(world.device, self._profile.interval_s, self.timeline.origin)
@@ -308,7 +318,8 @@ class Trainer:
         self.module.eval()
         self._failures.enter(f"evaluation step {self.seq - self.steps_done + 1}")
         try:
-            loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets)
+            with self.model_view():
+                loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets)
         except BaseException as exc:
             error = self._failures.fail(exc, f"evaluation step {self.seq}")
             if error is exc:
@@ -330,7 +341,8 @@ class Trainer:
         other ranks); every rank must call it. Load it into a plain PyTorch model to leave
         myelin."""
         self._check_usable()
-        return checkpoint.gather(self, self._state_layout)
+        with self.model_view():
+            return checkpoint.gather(self, self._state_layout)
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.
@@ -364,6 +376,10 @@ class Trainer:
         self._check_usable()
         return gather_report(self.timeline, self.world, self.sampler, self._profile)
 
+    def model_view(self) -> contextlib.AbstractContextManager[None]:
+        """While open, this stage's parameters hold what the model is under `sync`."""
+        return self.replicas.model_view() if self.replicas else contextlib.nullcontext()
+
     def _check_usable(self) -> None:
         if self._closed:
             raise MyelinError("this Trainer is closed")
@@ -384,6 +400,8 @@ class Trainer:
             raise self._failures.fail(exc, "close()") from None
         finally:
             self._failures.release_sigterm()
+            if getattr(self, "replicas", None) is not None:
+                self.replicas.close()
             if self.liveness is not None:
                 self.liveness.close()
             if self.transport is not None:

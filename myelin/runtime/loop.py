@@ -30,7 +30,7 @@ from myelin.offload.budget import DeviceBudget
 from myelin.offload.optimizer import Updater
 from myelin.profile.timeline import Timeline
 from myelin.replicas import Strategy
-from myelin.replicas.allreduce import AllReduce
+from myelin.replicas.allreduce import AllReduceReplicas
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.group import World, sum_gradients
 from myelin.runtime.inbox import Inbox, LoopStats
@@ -95,7 +95,7 @@ class EventLoop:
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         if replicas is None and world.dp_group is not None:
-            replicas = AllReduce(world.dp_group, world.layout.data_parallel, world.waits)
+            replicas = AllReduceReplicas(world.dp_group, world.layout.data_parallel, world.waits)
         self.replicas = replicas  # None: one replica, nothing to agree on
         self.inbox = Inbox(
             stage,
