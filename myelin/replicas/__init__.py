@@ -68,5 +68,10 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned; called after the parameters are loaded."""
 
+    def stats(self) -> dict[str, int]:
+        """Bytes this rank put into the strategy's communication, by kind (inside a node,
+        across nodes, to the hub), and counts of its exchanges."""
+        return {}
+
     def close(self) -> None:
         """Release what the strategy holds (processes, sockets); safe to call twice."""

@@ -48,10 +48,15 @@ class AllReduceReplicas(Strategy):
         self.group = group
         self.replicas = replicas
         self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
+        self.bytes = 0  # gradient bytes this rank put into all-reduces
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and the loss over the replicas."""
+        self.bytes += sum(p.numel() * p.element_size() for p in params)
         return average_gradients(params, loss, self.group, self.replicas, self.waits)
+
+    def stats(self) -> dict[str, int]:
+        return {"global_bytes": self.bytes}
 
     def eval_loss(self, loss: float) -> float:
         """Average an evaluation loss over the replicas."""

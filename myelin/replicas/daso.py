@@ -265,6 +265,14 @@ class DasoReplicas(Strategy):
         self.bytes_local += flat.numel() * flat.element_size()
         _unflatten(flat, [p.data for p in self.params])
 
+    def stats(self) -> dict[str, int]:
+        s = self._sched()
+        return {
+            "local_bytes": self.bytes_local,
+            "global_bytes": self.bytes_global,
+            "sends": s.sends,
+        }
+
     # -- checkpoints ------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -176,6 +176,10 @@ class EasgdReplicas(Strategy):
         if self.hub is not None:
             self.hub.check()
 
+    def stats(self) -> dict[str, int]:
+        sent = self.hub.bytes if self.hub is not None else self.bytes_sent
+        return {"global_bytes": sent, "exchanges": self.exchanges}
+
     # -- what the model is ----------------------------------------------------
 
     def current_center(self) -> torch.Tensor:

@@ -149,7 +149,9 @@ class EventLoop:
             self.flight.now(f"in the optimizer step of step {step}")
             self._update(step)
             if self.replicas is not None:
+                start = self.timeline.now()
                 self.replicas.after_optimizer_step()
+                self._collective(f"{self.stage.index}SYNC", start)
         self.flight.now(f"between steps (step {step} done)")
         if self.budget is not None:
             self.budget.set("gradients", 0, "")

@@ -74,6 +74,19 @@ def test_daso_ranks_identical_at_every_blocking_average(four):
     assert sends[0] == sends[1] and sends[2] == sends[3] and sends[0] != sends[2]
 
 
+def test_daso_resumes_exactly_across_a_pending_send(four):
+    for r in four.values():
+        d = r["daso"]
+        assert d["pending_at_save"] and d["resumed"] == d["full"]
+
+
+def test_daso_in_a_pipeline_runs_per_stage(four):
+    for r in four.values():
+        d = r["daso"]
+        assert d["pipeline_same_at_epoch_end"] == [True, True]
+        assert d["pipeline_stats"]["sends"] == 4 and d["pipeline_stats"]["local_bytes"] == 0
+
+
 def test_easgd_conservation_and_consensus_at_eta_zero(four):
     e = four[0]["easgd"]
     assert max(e["totals"]) - min(e["totals"]) < 1e-4 * abs(e["totals"][0])

@@ -41,11 +41,19 @@ def digest(t):
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
-def trainer(sync, lr=0.05, dp=None, momentum=0.0):
-    dp = dp or int(os.environ.get("WORLD_SIZE", "1"))
+def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None):
+    dp = dp or int(os.environ.get("WORLD_SIZE", "1")) // stages
     opt = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
     return myelin.Trainer(
-        build(), opt, torch.nn.functional.mse_loss, data_parallel=dp, sync=sync, timeout=60
+        build(),
+        opt,
+        torch.nn.functional.mse_loss,
+        data_parallel=dp,
+        stages=stages,
+        microbatches=2 if stages > 1 else 1,
+        sync=sync,
+        timeout=60,
+        resume=resume,
     )
 
 
@@ -98,6 +106,35 @@ def case_daso():
     res.update(identical=identical, differ_mid=differ_mid, kinds=kinds)
     res["bytes_local"], res["bytes_global"] = t.replicas.bytes_local, t.replicas.bytes_global
     res["downcast"] = str(t.replicas.downcast)
+    t.close()
+    # 3. a checkpoint taken while a send is pending resumes exactly
+    ckpt = os.path.join(os.path.dirname(OUT), "daso-ckpt")
+    spec = myelin.DASO(node_size=2, epoch_steps=6, warmup_epochs=0)
+    t = trainer(spec)
+    full = [t.step(*batch(t.replica, s)) for s in range(8)]
+    t.close()
+    t = trainer(spec)
+    for s in range(5):  # step 4 sent; its merge is due at step 5
+        t.step(*batch(t.replica, s))
+    res["pending_at_save"] = t.replicas.schedule.pending is not None
+    t.save(ckpt)
+    t.close()
+    t = trainer(spec, resume=ckpt)
+    res["resumed"], res["full"] = [t.step(*batch(t.replica, s)) for s in range(5, 8)], full[5:]
+    t.close()
+    # 4. a 2-stage pipeline, 2 replicas: each stage runs DASO over its own replicas
+    t = trainer(myelin.DASO(node_size=1, epoch_steps=4, warmup_epochs=0), stages=2)
+    same = []
+    for step in range(8):
+        t.step(*batch(t.replica, step))
+        # ranks 0, 2 hold stage 0; 1, 3 stage 1 (of another size: gather digests)
+        copies = gather(
+            torch.tensor(list(bytes.fromhex(digest(flat(t.module)))), dtype=torch.uint8)
+        )
+        if step % 4 == 3:
+            same.append(torch.equal(copies[t.stage], copies[t.stage + 2]))
+    res["pipeline_same_at_epoch_end"] = same
+    res["pipeline_stats"] = t.replicas.stats()
     t.close()
     return res
 
