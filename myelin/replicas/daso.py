@@ -8,8 +8,10 @@ into its newer parameters, x <- (2B x + sum) / (2B + N), then broadcasts them in
 node. Warm-up, cool-down and each epoch's last step average blocking (in bf16 where the
 backend can). `daso_schedule.py` decides when; this module moves the bytes.
 
-What the model is: the parameters of this rank; all ranks hold the same ones after every
-blocking average (each epoch's end, every step of warm-up and cool-down).
+What the model is: the synchronised parameters, those of the last blocking average (each
+epoch's end, every step of warm-up and cool-down), the same on every rank; evaluation,
+state_dict() and checkpoints use them (`model_view`), while training goes on from this
+rank's own parameters.
 
 Deliberate differences from Heat, each because myelin must run where Heat cannot:
 - G comes from `node_size` or LOCAL_WORLD_SIZE // stages, not the CUDA device count, and
@@ -29,9 +31,11 @@ Deliberate differences from Heat, each because myelin must run where Heat cannot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +140,7 @@ class DasoReplicas(Strategy):
         self.bytes_local = self.bytes_global = 0  # what this rank put into collectives
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step
+        self.synced = self._flat()  # the parameters of the last blocking average
 
     def plan(self, epoch_steps: int | None, epochs: int | None) -> None:
         """fit(epochs=...) says how long an epoch is and how many run (unless set)."""
@@ -254,6 +259,25 @@ class DasoReplicas(Strategy):
             avg = total / self.nodes
             _unflatten(avg, [p.data for p in self.params])
         self._broadcast(ev.group)
+        self.synced = self._flat()
+
+    def _flat(self) -> torch.Tensor:
+        if not self.params:
+            return torch.zeros(0)
+        return torch.cat([p.detach().reshape(-1).clone() for p in self.params])
+
+    @contextlib.contextmanager
+    def model_view(self) -> Iterator[None]:
+        """The parameters hold the synchronised ones while open; this rank's come back after."""
+        if not self.params:
+            yield
+            return
+        local = self._flat()
+        _unflatten(self.synced, [p.data for p in self.params])
+        try:
+            yield
+        finally:
+            _unflatten(local, [p.data for p in self.params])
 
     def _broadcast(self, local_src: int) -> None:
         """Every rank of the node takes the parameters of its rank of local index `src`."""
@@ -283,12 +307,16 @@ class DasoReplicas(Strategy):
             total, wait = self._finish(send_id)
             self.pending[send_id] = ([], [total], wait)
             pending[str(send_id)] = {"sum": total.cpu(), "wait": wait}
-        return {"schedule": self._sched().state_dict(), "pending": pending}
+        state = {"schedule": self._sched().state_dict(), "pending": pending}
+        state["local"] = self._flat()  # the checkpoint's model entries are the synced ones
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "schedule" not in state:
             return
         self._sched().load_state_dict(state["schedule"])
+        self.synced = self._flat()  # loaded as the model: the synchronised parameters
+        _unflatten(state["local"], [p.data for p in self.params])
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = {
             int(k): ([], [v["sum"].to(device)], int(v["wait"])) for k, v in state["pending"].items()

@@ -66,6 +66,7 @@ def test_daso_ranks_identical_at_every_blocking_average(four):
         assert d["identical"] and all(d["identical"])
         assert d["differ_mid"] > 0  # between them the nodes do drift apart
         assert d["bf16_representable"] and d["downcast"] == "torch.bfloat16"
+        assert d["view_is_synced"] and d["view_restores"]
         assert d["kinds"][0] == ["Send"] and d["kinds"][1] == ["Merge"]
         assert d["kinds"][5] == ["Send", "Merge", "Average"]  # the epoch's last step
         assert all(k == ["Send", "Average"] for k in d["kinds"][12:])  # cool-down

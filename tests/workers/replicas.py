@@ -89,6 +89,7 @@ def case_daso():
     )
     t = trainer(spec)
     identical, differ_mid, kinds = [], 0, []
+    synced = flat(t.module)
     for step in range(18):
         t.step(*batch(t.replica, step))
         events = t.replicas.schedule_events = getattr(t.replicas, "last_events", [])
@@ -99,6 +100,12 @@ def case_daso():
             identical.append(same)
         elif not same:
             differ_mid += 1
+        if step == 8:  # mid-epoch: the model (eval, state_dict) is the last average's
+            with t.model_view():
+                res["view_is_synced"] = torch.equal(flat(t.module), synced)
+            res["view_restores"] = not torch.equal(flat(t.module), synced)
+        if any(isinstance(e, Average) for e in events):
+            synced = flat(t.module)
         if step == 17:  # the cool-down epoch averages in bf16
             res["bf16_representable"] = bool(
                 torch.equal(flat(t.module), flat(t.module).bfloat16().float())
@@ -288,15 +295,14 @@ def case_hub():
         dist.all_reduce(x)
         after = float((x + t.replicas.current_center()).double().sum())
         res[mode] = [before, after, t.replicas.exchanges]
-        t.close()
-    t = trainer(myelin.EASGD(tau=1, alpha=0.2, mode="async"))
-    t.step(*batch(t.replica, 0))
-    dist.barrier()
+        if mode == "async":
+            t.close()
+    dist.barrier()  # the hogwild trainer's hub is killed now
     if rank == 0:
         os.kill(t.replicas.hub.pid, 9)
     killed = time.time()
     try:
-        for step in range(1, 1000):
+        for step in range(4, 1000):
             t.step(*batch(t.replica, step))
         res["error"] = None
     except myelin.MyelinError as exc:
@@ -305,7 +311,10 @@ def case_hub():
         res["message"] = str(exc)[:300]
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump({"hub": res}, f)
-    time.sleep(8)  # let every rank find the hub gone before this one's own exit is news
+    deadline = time.time() + 20  # every rank finds the hub gone before an exit is news
+    while len(os.listdir(OUT)) < 4 and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
     os._exit(0)  # the world is broken on purpose: leave without its teardown
 
 
