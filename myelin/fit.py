@@ -17,6 +17,7 @@ all-reduce, so all ranks stop on the same step), when to validate, log and check
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -59,7 +60,9 @@ class Trainable(Protocol):
 
 def evaluate(trainer: Trainable, loader: Iterable, max_batches: int | None = None) -> float:
     """Mean loss over the loader's batches (or the first `max_batches`), no training."""
-    losses = [trainer.eval_step(*_pair(b)) for b in itertools.islice(loader, max_batches)]
+    view = getattr(trainer, "model_view", contextlib.nullcontext)
+    with view():  # the model under the replica strategy, taken once for every batch
+        losses = [trainer.eval_step(*_pair(b)) for b in itertools.islice(loader, max_batches)]
     if not losses:
         raise ConfigError("evaluate: the loader gave no batches")
     return sum(losses) / len(losses)

@@ -141,6 +141,7 @@ class DasoReplicas(Strategy):
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step
         self.synced = self._flat()  # the parameters of the last blocking average
+        self._viewing = False
 
     def plan(self, epoch_steps: int | None, epochs: int | None) -> None:
         """fit(epochs=...) says how long an epoch is and how many run (unless set)."""
@@ -269,15 +270,17 @@ class DasoReplicas(Strategy):
     @contextlib.contextmanager
     def model_view(self) -> Iterator[None]:
         """The parameters hold the synchronised ones while open; this rank's come back after."""
-        if not self.params:
+        if not self.params or self._viewing:  # nested views: the outer one holds it
             yield
             return
+        self._viewing = True
         local = self._flat()
         _unflatten(self.synced, [p.data for p in self.params])
         try:
             yield
         finally:
             _unflatten(local, [p.data for p in self.params])
+            self._viewing = False
 
     def _broadcast(self, local_src: int) -> None:
         """Every rank of the node takes the parameters of its rank of local index `src`."""

@@ -99,6 +99,7 @@ class EasgdReplicas(Strategy):
         self.center = self._flat().clone()  # every replica starts from the same weights
         self.velocity = torch.zeros_like(self.center) if spec.momentum else None
         self.hub = None
+        self._viewing = False
         if spec.mode != "sync":
             from myelin.replicas.hub_client import connect_hub
 
@@ -189,15 +190,17 @@ class EasgdReplicas(Strategy):
     @contextlib.contextmanager
     def model_view(self) -> Iterator[None]:
         """The parameters hold the center while open; the local x_i come back after."""
-        if not self.params:
+        if not self.params or self._viewing:  # nested views: the outer one holds it
             yield
             return
+        self._viewing = True
         local = self._flat()
         self._set(self.current_center())
         try:
             yield
         finally:
             self._set(local)
+            self._viewing = False
 
     def state_dict(self) -> dict[str, Any]:
         """x_i, the clock and the velocity; the checkpoint's model entries hold x~."""

@@ -126,6 +126,7 @@ def test_easgd_one_worker_async_and_hogwild_equal_sync(one):
     assert finals["async"] == finals["sync"] and finals["hogwild"] == finals["sync"]
     assert one["exchanges"] == 3  # at t = 0, 2, 4
     assert one["hub_requests"] == 1 + 3 + 3  # init, exchanges, 3 reads of the center
+    assert one["evaluate_reads"] == 1
 
 
 def test_easgd_evaluation_state_dict_and_resume_use_the_center(one):

@@ -249,6 +249,8 @@ def case_one():
         if mode == "async":
             res["hub_requests"] = t.replicas.hub.requests
             res["exchanges"] = t.replicas.exchanges
+            t.evaluate([batch(0, 99)] * 3)  # one read of the center for the whole evaluation
+            res["evaluate_reads"] = t.replicas.hub.requests - res["hub_requests"]
         t.close()
     res["finals"] = finals
     # resume: 3 steps, save, 3 more; against 6 uninterrupted (sync mode, with momentum)
