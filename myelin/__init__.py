@@ -17,6 +17,9 @@ from myelin.errors import (
 from myelin.init import init_empty, init_layers
 from myelin.offload.config import OffloadConfig
 from myelin.partition import StageModule, balance, layers_of, split
+from myelin.replicas.allreduce import AllReduce
+from myelin.replicas.daso import DASO
+from myelin.replicas.easgd import EASGD
 from myelin.runtime.messages import Message, MessageLimits
 from myelin.runtime.schedule import SCHEDULES, Action
 from myelin.runtime.transport import TransportConfig
@@ -26,6 +29,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "AllReduce",
+    "DASO",
+    "EASGD",
     "Callback",
     "ConfigError",
     "DeadlineError",

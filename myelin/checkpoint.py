@@ -70,6 +70,7 @@ class Checkpointable(Protocol):
     stage_layers: list[tuple[int, int] | None]  # the layers each stage holds
     steps_done: int  # training steps
     seq: int  # training and evaluation steps: the step number the next messages carry
+    # (optional) replicas: the running replica strategy, whose state and model view count
 
 
 def save(
@@ -92,6 +93,11 @@ def save(
         "rng": _rng_state(),
         "extra": extra or {},
     }
+    strategy = getattr(trainer, "replicas", None)
+    if strategy is not None:  # the model is what the strategy says it is (EASGD: the center)
+        shard["strategy"] = strategy.state_dict()
+        with strategy.model_view():
+            shard["model"] = {k: v.clone() for k, v in trainer.module.state_dict().items()}
     shard_file = vdir / f"rank{world.rank}.pt"
     _atomic_write(shard_file, lambda f: torch.save(shard, f))
     _barrier(world)
@@ -226,6 +232,9 @@ def _load_by_stage(trainer: Checkpointable, vdir: Path, manifest: dict[str, Any]
         trainer.updater.sync_from_params()
         if shard["optimizer"] is not None:
             trainer.updater.load_state_dict(shard["optimizer"])
+    strategy = getattr(trainer, "replicas", None)
+    if strategy is not None:
+        strategy.load_state_dict(shard.get("strategy", {}))
     _set_rng_state(shard["rng"])
     trainer.steps_done = shard["steps_done"]
     trainer.seq = shard["seq"]

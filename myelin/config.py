@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError
+from myelin.replicas.choose import resolve_sync
 from myelin.runtime.flight import default_dir
 from myelin.runtime.schedule import SCHEDULES
 from myelin.runtime.transport_config import TransportConfig
@@ -35,6 +36,8 @@ class PipelineConfig:
     max_inflight: microbatches stage 0 lets into the pipeline at once (default: stages).
     partition: layers per stage, e.g. [3, 5]; default balances parameter counts.
     timeout: seconds any wait may last before it raises, naming what never came.
+    sync: how the replicas of a stage agree: myelin.AllReduce() (default), myelin.DASO(...),
+        myelin.EASGD(...), or one of the names "allreduce", "daso", "easgd".
     """
 
     stages: int = 1
@@ -45,6 +48,7 @@ class PipelineConfig:
     partition: tuple[int, ...] | None = None
     timeout: float = 300.0
     transport: TransportConfig = field(default_factory=TransportConfig)
+    sync: Any = "allreduce"
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "data_parallel"):
@@ -73,6 +77,8 @@ class PipelineConfig:
             raise ConfigError(f"timeout={self.timeout!r} must be in (0, 86400] seconds")
         if not isinstance(self.transport, TransportConfig):
             raise ConfigError(f"transport={self.transport!r} must be a myelin.TransportConfig")
+        sync = resolve_sync(self.sync, self.stages, self.data_parallel)
+        object.__setattr__(self, "sync", sync)
 
     @property
     def inflight(self) -> int:

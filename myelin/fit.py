@@ -17,6 +17,7 @@ all-reduce, so all ranks stop on the same step), when to validate, log and check
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -64,7 +65,9 @@ class Trainable(Protocol):
 def evaluate(trainer: Trainable, loader: Iterable, max_batches: int | None = None) -> float:
     """Mean loss over the loader's batches (or the first `max_batches`), no training."""
     _check_last_batch(loader, trainer.config.microbatches, "evaluate")
-    losses = [trainer.eval_step(*_pair(b)) for b in itertools.islice(loader, max_batches)]
+    view = getattr(trainer, "model_view", contextlib.nullcontext)
+    with view():  # the model under the replica strategy, taken once for every batch
+        losses = [trainer.eval_step(*_pair(b)) for b in itertools.islice(loader, max_batches)]
     if not losses:
         raise ConfigError("evaluate: the loader gave no batches")
     return sum(losses) / len(losses)
@@ -133,6 +136,10 @@ def fit(
     total = steps if steps is not None else _even_steps(trainer, loader, epochs or 1, uneven)
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
+    plan = getattr(getattr(trainer, "replicas", None), "plan", None)
+    if plan is not None and steps is None:  # DASO's epochs are the loader's
+        per_epoch = _epoch_steps(loader, 1)
+        plan(per_epoch, epochs or 1 if per_epoch is not None else None)
     waits = trainer.world.waits
     meter = Meter(trainer.timeline, trainer.world.layout.data_parallel, waits)
     history: list[dict[str, Any]] = []

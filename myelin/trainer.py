@@ -13,6 +13,7 @@ loaders are fit.py's, checkpoints checkpoint.py's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,6 +49,7 @@ from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
+from myelin.replicas import Context, choose
 from myelin.reshard import stage_keys
 from myelin.runtime.bounded import Waits
 from myelin.runtime.clip import GlobalNorm, norm_slots
@@ -133,6 +135,7 @@ class Trainer:
         run_dir: str | os.PathLike | None = None,
         max_grad_norm: float | None = None,
         lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
+        sync: Any = "allreduce",
     ) -> None:
         self.seed = torch.initial_seed()  # the layers' random streams derive from it
         self.config = cfg = PipelineConfig(
@@ -144,6 +147,7 @@ class Trainer:
             partition=partition,
             timeout=timeout,
             transport=transport if transport is not None else TransportConfig(),
+            sync=sync,
         )
         model, self._compile_layer = compiled.unwrap(model)
         loss_fn = hf.own_loss(model) if loss_fn is None else loss_fn
@@ -157,6 +161,7 @@ class Trainer:
         self.offload = offload if offload is not None else OffloadConfig()
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
+        choose.check_supported(cfg.sync, bool(self.offload.optimizer), self.precision)
         flight_dir = flight_dir_of(run_dir)
         checkpoint.check_resume(resume)
         layout = Layout(cfg.stages, cfg.data_parallel)
@@ -248,6 +253,10 @@ class Trainer:
             streams=self.streams,
         )
         self.timeline = Timeline.of_profile(self._profile, world.rank, world.stage, world.device)
+        trains = self.updater is not None  # a stage without an optimizer has nothing to agree
+        params = [p for p in self.module.parameters() if p.requires_grad and trains]
+        context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport)
+        self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
         self.loop = EventLoop(
             stage,
             world,
@@ -261,6 +270,7 @@ class Trainer:
             flight=self.flight,
             liveness=self.liveness,
             clip=clip,
+            replicas=self.replicas,
         )
         if self._profile is not None:
             self.sampler = Sampler(world.device, self._profile.interval_s, self.timeline.origin)
@@ -369,7 +379,8 @@ class Trainer:
         self.module.eval()
         self._failures.enter(f"evaluation step {self.seq - self.steps_done + 1}")
         try:
-            loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets, rows)
+            with self.model_view():
+                loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets, rows)
         except BaseException as exc:
             error = self._failures.fail(exc, f"evaluation step {self.seq}")
             if error is exc:
@@ -391,7 +402,8 @@ class Trainer:
         other ranks); every rank must call it. Load it into a plain PyTorch model to leave
         myelin."""
         self._check_usable()
-        return checkpoint.gather(self, self._state_layout)
+        with self.model_view():
+            return checkpoint.gather(self, self._state_layout)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the model as a HuggingFace folder (config.json and safetensors, one file
@@ -433,6 +445,10 @@ class Trainer:
         self._check_usable()
         return gather_report(self.timeline, self.world, self.sampler, self._profile)
 
+    def model_view(self) -> contextlib.AbstractContextManager[None]:
+        """While open, this stage's parameters hold what the model is under `sync`."""
+        return self.replicas.model_view() if self.replicas else contextlib.nullcontext()
+
     def _check_usable(self) -> None:
         if self._closed:
             raise MyelinError("this Trainer is closed")
@@ -455,6 +471,8 @@ class Trainer:
             self._failures.release_sigterm()
             if getattr(self, "streams", None) is not None:
                 self.streams.close()  # the layers' pre-hooks, on the user's modules
+            if getattr(self, "replicas", None) is not None:
+                self.replicas.close()
             if self.liveness is not None:
                 self.liveness.close()
             if self.transport is not None:

@@ -1,20 +1,43 @@
 """How the data-parallel replicas of one stage agree: one module per strategy.
 
-The event loop calls a strategy at fixed points of each training step: when the step's
-backwards are done (`backwards_done`, which returns the step's loss as the replicas
-agree on it), after the optimizer step, and at the step's end. A strategy owns its
-state. `allreduce.AllReduce`, gradients averaged every step, is the default.
+A strategy is chosen with `Trainer(..., sync=...)`: a settings object (`AllReduce()`,
+`DASO(...)`, `EASGD(...)`) that is validated when built and, once the world exists, builds
+the `Strategy` that runs on this rank (`spec.build(context)`). The event loop calls the
+running strategy at fixed points of each training step: when the step's backwards are
+done (`backwards_done`, which returns the step's loss as the replicas agree on it), after
+the optimizer step, and at the step's end. A strategy owns its state (a center, a
+schedule, pending sends), which checkpoints carry (`state_dict`), and says what the model
+*is* (`model_view`: the center for EASGD), which evaluation, `state_dict()` and
+checkpoints use.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-__all__ = ["Strategy"]
+from myelin.runtime.group import World
+
+__all__ = ["Context", "Strategy"]
+
+
+@dataclass(slots=True)
+class Context:
+    """What a strategy is built from: this rank's place, its stage's trainable parameters."""
+
+    world: World
+    params: list[torch.nn.Parameter]  # this stage's trainable parameters (empty: none)
+    timeout_s: float = 300.0
+    timeline: Any = None  # profile/timeline.Timeline, for the strategy's own records
+    transport: Any = None  # runtime/transport_config.TransportConfig: host, limits, timeouts
 
 
 class Strategy:
-    """The hooks a replica strategy implements; each default does nothing."""
+    """The hooks a running replica strategy implements; each default does nothing."""
 
     reduces_gradients = False  # gradients change after the backwards (they cannot stream early)
 
@@ -34,3 +57,24 @@ class Strategy:
 
     def step_end(self) -> None:
         """The step is over on this rank."""
+
+    @contextlib.contextmanager
+    def model_view(self) -> Iterator[None]:
+        """While open, the stage's parameters hold what the model *is* under this strategy
+        (for evaluation, state_dict and checkpoints); the default: the parameters."""
+        yield
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state for a checkpoint (tensors and plain data only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned; called after the parameters are loaded."""
+
+    def stats(self) -> dict[str, int]:
+        """Bytes this rank put into the strategy's communication, by kind (inside a node,
+        across nodes, to the hub), and counts of its exchanges."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the strategy holds (processes, sockets); safe to call twice."""

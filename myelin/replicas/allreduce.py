@@ -8,19 +8,38 @@ bucket is divided by the number of replicas and copied back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from myelin.replicas import Strategy
+from myelin.replicas import Context, Strategy
 
-__all__ = ["AllReduce", "average_gradients"]
+__all__ = ["AllReduce", "AllReduceReplicas", "average_gradients"]
 
 _BUCKET_BYTES = 25 * 2**20
 
 
-class AllReduce(Strategy):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AllReduce:
+    """The default: every step, gradients and the loss are averaged over the replicas.
+
+    What the model is: the parameters, identical on every replica after every step.
+    """
+
+    name = "allreduce"
+
+    def build(self, ctx: Context) -> Strategy | None:
+        """The running strategy on this rank; None with one replica (nothing to agree on)."""
+        if ctx.world.dp_group is None:
+            return None
+        return AllReduceReplicas(
+            ctx.world.dp_group, ctx.world.layout.data_parallel, getattr(ctx.world, "waits", None)
+        )
+
+
+class AllReduceReplicas(Strategy):
     """Gradients and loss averaged over `group`, the `replicas` ranks holding this stage."""
 
     reduces_gradients = True
@@ -29,10 +48,15 @@ class AllReduce(Strategy):
         self.group = group
         self.replicas = replicas
         self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
+        self.bytes = 0  # gradient bytes this rank put into all-reduces
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and the loss over the replicas."""
+        self.bytes += sum(p.numel() * p.element_size() for p in params)
         return average_gradients(params, loss, self.group, self.replicas, self.waits)
+
+    def stats(self) -> dict[str, int]:
+        return {"global_bytes": self.bytes}
 
     def eval_loss(self, loss: float) -> float:
         """Average an evaluation loss over the replicas."""

@@ -30,7 +30,7 @@ from myelin.offload.budget import DeviceBudget
 from myelin.offload.optimizer import Updater
 from myelin.profile.timeline import Timeline
 from myelin.replicas import Strategy
-from myelin.replicas.allreduce import AllReduce
+from myelin.replicas.allreduce import AllReduceReplicas
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.group import World, sum_gradients
 from myelin.runtime.inbox import Inbox, LoopStats
@@ -94,7 +94,7 @@ class EventLoop:
         self.tied = tied or []  # (group, parameters) shared with other stages of this replica
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         if replicas is None and world.dp_group is not None:
-            replicas = AllReduce(world.dp_group, world.layout.data_parallel, world.waits)
+            replicas = AllReduceReplicas(world.dp_group, world.layout.data_parallel, world.waits)
         self.replicas = replicas  # None: one replica, nothing to agree on
         self.clip = clip  # runtime/clip.py: a stage with nothing to train still joins its norm
         self.inbox = Inbox(
@@ -150,7 +150,9 @@ class EventLoop:
             self.flight.now(f"in the optimizer step of step {step}")
             self._update(step)
             if self.replicas is not None:
+                start = self.timeline.now()
                 self.replicas.after_optimizer_step()
+                self._collective(f"{self.stage.index}SYNC", start)
         elif self.clip is not None:
             self.clip.clip([])
         self.flight.now(f"between steps (step {step} done)")

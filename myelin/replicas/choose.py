@@ -1,0 +1,44 @@
+"""`Trainer(sync=...)`: a strategy's settings object, or its name for the defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from myelin.errors import ConfigError
+from myelin.replicas.allreduce import AllReduce
+from myelin.replicas.daso import DASO
+from myelin.replicas.easgd import EASGD
+
+__all__ = ["STRATEGIES", "check_supported", "resolve_sync"]
+
+STRATEGIES = {"allreduce": AllReduce, "daso": DASO, "easgd": EASGD}
+
+
+def resolve_sync(sync: Any, stages: int, data_parallel: int) -> Any:
+    """The settings object `sync` names or is, checked against the replicas."""
+    if isinstance(sync, str):
+        if sync.lower() not in STRATEGIES:
+            raise ConfigError(f"sync={sync!r} must be one of {list(STRATEGIES)} or a strategy")
+        sync = STRATEGIES[sync.lower()]()
+    if not isinstance(sync, tuple(STRATEGIES.values())):
+        raise ConfigError(
+            f"sync={sync!r} must be myelin.AllReduce(), myelin.DASO(...), myelin.EASGD(...) "
+            f"or one of their names {list(STRATEGIES)}"
+        )
+    check = getattr(sync, "check", None)
+    if check is not None:
+        check(stages, data_parallel)
+    return sync
+
+
+def check_supported(sync: Any, optimizer_offload: bool, precision: str) -> None:
+    """DASO and EASGD move the parameters outside the optimizer: fp32 masters on the
+    device only, for now (an offloaded or half-precision master would not see it)."""
+    if sync.name == "allreduce":
+        return
+    if optimizer_offload or precision != "fp32":
+        raise ConfigError(
+            f"sync={type(sync).__name__}(...) changes the parameters outside the optimizer and "
+            f"needs precision='fp32' without optimizer offload (got precision={precision!r}, "
+            f"optimizer offload={optimizer_offload})"
+        )

@@ -1,0 +1,390 @@
+"""DASO (Coquelin et al. 2021), as Heat's `heat/optim/dp_optimizer.py` behaves.
+
+Replicas of a stage form N nodes of G (`node_size`) replicas each. Gradients are averaged
+inside a node (on the steps the local skip allows); every S steps one rank per node (the
+sender group of local index `send_mod`, rotating) starts a non-blocking, chunked
+all-reduce of its parameters across nodes, and B steps later merges the stale average
+into its newer parameters, x <- (2B x + sum) / (2B + N), then broadcasts them inside its
+node. Warm-up, cool-down and each epoch's last step average blocking (in bf16 where the
+backend can). `daso_schedule.py` decides when; this module moves the bytes.
+
+What the model is: the synchronised parameters, those of the last blocking average (each
+epoch's end, every step of warm-up and cool-down), the same on every rank; evaluation,
+state_dict() and checkpoints use them (`model_view`), while training goes on from this
+rank's own parameters.
+
+Deliberate differences from Heat, each because myelin must run where Heat cannot:
+- G comes from `node_size` or LOCAL_WORLD_SIZE // stages, not the CUDA device count, and
+  G = 1 is allowed (no local averaging, one global group); it runs on CPU (gloo) and GPU.
+- Collectives are torch.distributed groups made inside each stage's replicas, not MPI;
+  a pipeline runs DASO per stage, every stage following the same schedule (the loss the
+  schedule sees is the same on every stage).
+- Local skipping averages gradients itself instead of toggling DDP's
+  `require_backward_grad_sync`; buffers (batch-norm statistics) are not synchronised.
+- An epoch is `epoch_steps` steps (fit(epochs=...) sets it from the loader), and the
+  plateau rule runs itself at the epoch's end with the mean loss over every replica,
+  instead of the user calling `epoch_loss_logic`.
+- The blocking downcast (bf16 by default) is probed on the backend once; where it fails it
+  falls back to fp32 and says so. The sum is taken in that dtype as in Heat, but over
+  torch's collective rather than a custom MPI op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.errors import ConfigError, MyelinError
+from myelin.replicas import Context, Strategy
+from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
+
+__all__ = ["DASO", "DasoReplicas", "merge_stale", "node_size_for"]
+
+log = logging.getLogger(__name__)
+_DOWNCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _int(name: str, value: Any, low: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if type(value) is not int or value < low:
+        raise ConfigError(f"DASO({name}={value!r}): must be an int >= {low}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DASO:
+    """DASO's settings, Heat's defaults. node_size: replicas per node (default
+    LOCAL_WORLD_SIZE // stages); epoch_steps: steps per epoch (fit(epochs=...) sets it);
+    total_epochs: where cool-down starts (fit(epochs=...) sets it; None: no cool-down)."""
+
+    node_size: int | None = None
+    epoch_steps: int | None = None
+    total_epochs: int | None = None
+    warmup_epochs: int = 4
+    cooldown_epochs: int = 4
+    max_global_skips: int = 8
+    stability_level: float = 0.05
+    sending_chunk_size: int = 10_000_000
+    downcast: str = "bf16"
+    skip_reduction_factor: int = 2
+    local_skip_factor: int = 4
+
+    name = "daso"
+
+    def __post_init__(self) -> None:
+        _int("node_size", self.node_size, 1, optional=True)
+        _int("epoch_steps", self.epoch_steps, 1, optional=True)
+        _int("total_epochs", self.total_epochs, 1, optional=True)
+        _int("warmup_epochs", self.warmup_epochs, 0)
+        _int("cooldown_epochs", self.cooldown_epochs, 0)
+        _int("max_global_skips", self.max_global_skips, 1)
+        _int("sending_chunk_size", self.sending_chunk_size, 1)
+        _int("skip_reduction_factor", self.skip_reduction_factor, 1)
+        _int("local_skip_factor", self.local_skip_factor, 1)
+        level = self.stability_level
+        if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 <= level < 1:
+            raise ConfigError(f"DASO(stability_level={level!r}): must be a number in [0, 1)")
+        if self.downcast not in _DOWNCAST:
+            raise ConfigError(f"DASO(downcast={self.downcast!r}): must be one of {list(_DOWNCAST)}")
+
+    def check(self, stages: int, data_parallel: int) -> None:
+        """Raise before any work if the node size does not fit the replicas."""
+        g = node_size_for(self, stages, data_parallel)
+        if data_parallel % g:
+            raise ConfigError(
+                f"DASO(node_size={g}): data_parallel={data_parallel} replicas do not split "
+                f"into nodes of {g}"
+            )
+
+    def build(self, ctx: Context) -> Strategy | None:
+        """The running strategy on this rank (None with one replica)."""
+        if ctx.world.layout.data_parallel == 1:
+            return None
+        return DasoReplicas(self, ctx)
+
+
+def node_size_for(spec: DASO, stages: int, data_parallel: int) -> int:
+    """Replicas per node: the setting, else the launcher's processes per host / stages."""
+    if spec.node_size is not None:
+        return spec.node_size
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_host = int(local) // stages if local.isdigit() else data_parallel
+    return max(1, min(per_host, data_parallel))
+
+
+class DasoReplicas(Strategy):
+    """DASO on this rank: node-local gradient averages, stale global parameter averages."""
+
+    reduces_gradients = True
+
+    def __init__(self, spec: DASO, ctx: Context) -> None:
+        world, layout = ctx.world, ctx.world.layout
+        self.spec, self.params = spec, ctx.params
+        self.replicas = layout.data_parallel
+        self.g = node_size_for(spec, layout.stages, self.replicas)
+        self.nodes = self.replicas // self.g
+        self.local_index = world.replica % self.g
+        self.dp_group = world.dp_group
+        self.local_group, self.global_groups = _make_groups(world, self.g)
+        self.schedule: DasoSchedule | None = None
+        self.pending: dict[int, tuple[list[Any], list[torch.Tensor], int]] = {}
+        self.downcast = self._probe(_DOWNCAST[spec.downcast])
+        self.bytes_local = self.bytes_global = 0  # what this rank put into collectives
+        self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
+        self.last_events: list[Any] = []  # the schedule's events of the last step
+        self.synced = self._flat()  # the parameters of the last blocking average
+        self._viewing = False
+
+    def plan(self, epoch_steps: int | None, epochs: int | None) -> None:
+        """fit(epochs=...) says how long an epoch is and how many run (unless set)."""
+        if self.schedule is None:
+            self._epoch_steps = self._epoch_steps or epoch_steps
+            self._total = self._total or epochs
+
+    def _sched(self) -> DasoSchedule:
+        if self.schedule is None:
+            if self._epoch_steps is None:
+                raise ConfigError(
+                    "DASO needs the epoch length: DASO(epoch_steps=N), or trainer.fit(loader, "
+                    "epochs=E) with a loader that has a len()"
+                )
+            s = self.spec
+            self.schedule = DasoSchedule(
+                node_size=self.g,
+                epoch_steps=self._epoch_steps,
+                total_epochs=self._total,
+                warmup_epochs=s.warmup_epochs,
+                cooldown_epochs=s.cooldown_epochs,
+                max_global_skips=s.max_global_skips,
+                skip_reduction_factor=s.skip_reduction_factor,
+                local_skip_factor=s.local_skip_factor,
+                stability_level=float(s.stability_level),
+            )
+        return self.schedule
+
+    def _probe(self, dtype: torch.dtype) -> torch.dtype:
+        """Whether the global groups' backend sums `dtype`; fp32 where it does not."""
+        if dtype == torch.float32:
+            return dtype
+        group = self.global_groups[self.local_index]
+        ok = torch.ones(1)
+        if group is not None:
+            try:
+                dist.all_reduce(torch.ones(2, dtype=dtype), group=group)
+            except (RuntimeError, ValueError) as exc:
+                ok.zero_()
+                log.warning("DASO: %s all-reduce failed on this backend (%s)", dtype, exc)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.dp_group)
+        if ok.item() == 0:
+            log.warning("DASO: blocking averages fall back from %s to fp32", dtype)
+            return torch.float32
+        return dtype
+
+    # -- the hooks -------------------------------------------------------------
+
+    def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
+        """Average the gradients inside the node (when the schedule says so) and the loss
+        over every replica (the plateau rule must see the same loss everywhere)."""
+        loss_t = torch.tensor([loss], dtype=torch.float64)
+        work = dist.all_reduce(loss_t, group=self.dp_group, async_op=True)
+        if self._sched().local_sync and self.local_group is not None and params:
+            flat = torch.cat([_grad(p).reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self.local_group)
+            self.bytes_local += flat.numel() * flat.element_size()
+            flat.div_(self.g)
+            _unflatten(flat, [p.grad for p in params])
+        work.wait()
+        self._loss = float(loss_t.item()) / self.replicas
+        return self._loss
+
+    def eval_loss(self, loss: float) -> float:
+        loss_t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(loss_t, group=self.dp_group)
+        return float(loss_t.item()) / self.replicas
+
+    def after_optimizer_step(self) -> None:
+        """Run the step's DASO events: sends, merges, blocking averages."""
+        self.last_events = self._sched().advance(self._loss)
+        for event in self.last_events:
+            if isinstance(event, Send):
+                self._send(event)
+            elif isinstance(event, Merge):
+                self._merge(event)
+            elif isinstance(event, Average):
+                self._average(event)
+
+    # -- the events ------------------------------------------------------------
+
+    def _send(self, ev: Send) -> None:
+        """The sender group packs its parameters and starts the chunked average."""
+        if ev.group != self.local_index or not self.params:
+            return
+        dtype = self.downcast if ev.blocking else torch.float32
+        flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in self.params])
+        if torch.isnan(flat).any():
+            raise MyelinError(f"DASO: NaN in the parameters sent at send {ev.id}")
+        group = self.global_groups[ev.group]
+        chunks = _chunks(flat, self.spec.sending_chunk_size)
+        works = []
+        if group is not None:
+            works = [dist.all_reduce(c, group=group, async_op=True) for c in chunks]
+            self.bytes_global += flat.numel() * flat.element_size()
+        self.pending[ev.id] = (works, chunks, ev.wait)
+
+    def _finish(self, send_id: int) -> tuple[torch.Tensor, int]:
+        works, chunks, wait = self.pending.pop(send_id)
+        for w in works:
+            w.wait()
+        return torch.cat(chunks), wait
+
+    def _merge(self, ev: Merge) -> None:
+        """x <- (w x + sum) / (w + N), w = 2B' (1 when B' = 0), on the sender group; then
+        every node broadcasts from that group's rank."""
+        if ev.id is not None and ev.group == self.local_index and self.params:
+            total, wait = self._finish(ev.id)
+            merge_stale(self.params, total, wait, self.nodes)
+        self._broadcast(ev.group)
+
+    def _average(self, ev: Average) -> None:
+        """Blocking: the sender group takes the plain average, then every node copies it."""
+        if ev.group == self.local_index and self.params:
+            total, _ = self._finish(ev.id)
+            avg = total / self.nodes
+            _unflatten(avg, [p.data for p in self.params])
+        self._broadcast(ev.group)
+        self.synced = self._flat()
+
+    def _flat(self) -> torch.Tensor:
+        if not self.params:
+            return torch.zeros(0)
+        return torch.cat([p.detach().reshape(-1).clone() for p in self.params])
+
+    @contextlib.contextmanager
+    def model_view(self) -> Iterator[None]:
+        """The parameters hold the synchronised ones while open; this rank's come back after."""
+        if not self.params or self._viewing:  # nested views: the outer one holds it
+            yield
+            return
+        self._viewing = True
+        local = self._flat()
+        _unflatten(self.synced, [p.data for p in self.params])
+        try:
+            yield
+        finally:
+            _unflatten(local, [p.data for p in self.params])
+            self._viewing = False
+
+    def _broadcast(self, local_src: int) -> None:
+        """Every rank of the node takes the parameters of its rank of local index `src`."""
+        if self.local_group is None or not self.params:
+            return
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        src = dist.get_global_rank(self.local_group, local_src)
+        dist.broadcast(flat, src, group=self.local_group)
+        self.bytes_local += flat.numel() * flat.element_size()
+        _unflatten(flat, [p.data for p in self.params])
+
+    def stats(self) -> dict[str, int]:
+        s = self._sched()
+        return {
+            "local_bytes": self.bytes_local,
+            "global_bytes": self.bytes_global,
+            "sends": s.sends,
+        }
+
+    # -- checkpoints ------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule, and each pending send waited for (flushed) and kept as its sum, so
+        a resumed run merges exactly what the uninterrupted one would."""
+        pending = {}
+        for send_id in list(self.pending):
+            total, wait = self._finish(send_id)
+            self.pending[send_id] = ([], [total], wait)
+            pending[str(send_id)] = {"sum": total.cpu(), "wait": wait}
+        state = {"schedule": self._sched().state_dict(), "pending": pending}
+        state["local"] = self._flat()  # the checkpoint's model entries are the synced ones
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "schedule" not in state:
+            return
+        self._sched().load_state_dict(state["schedule"])
+        self.synced = self._flat()  # loaded as the model: the synchronised parameters
+        _unflatten(state["local"], [p.data for p in self.params])
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.pending = {
+            int(k): ([], [v["sum"].to(device)], int(v["wait"])) for k, v in state["pending"].items()
+        }
+
+
+def merge_stale(params: list[torch.Tensor], total: torch.Tensor, wait: int, nodes: int) -> None:
+    """x <- (w x + total) / (w + N), w = 2 wait (1 when wait = 0): the newer local copy
+    weighted against the sum of the N stale copies, computed as Heat does
+    (x * w / (w + N) + total / (w + N))."""
+    numer = wait * 2.0 if wait > 0 else 1.0
+    denom = float(nodes) + numer
+    update = total.float() / denom
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.mul_(numer / denom).add_(update[offset : offset + n].view_as(p).to(p.dtype))
+            offset += n
+
+
+def _make_groups(world: Any, g: int) -> tuple[Any, list[Any]]:
+    """Every stage's node-local groups and G global groups (ranks of one local index), made
+    by every rank in the same order; this rank's local group and its stage's global ones.
+    A group of one rank is None (nothing to exchange)."""
+    layout = world.layout
+    local_mine, global_mine = None, [None] * g
+    for stage in range(layout.stages):
+        ranks = layout.replica_ranks(stage)
+        nodes = [ranks[n * g : (n + 1) * g] for n in range(len(ranks) // g)]
+        sets = [("local", n, r) for n, r in enumerate(nodes)]
+        sets += [("global", i, ranks[i::g]) for i in range(g)]
+        for kind, index, members in sets:
+            if len(members) < 2:
+                continue
+            group = dist.new_group(members)
+            world.extra_groups.append(group)
+            if world.rank in members:
+                if kind == "local":
+                    local_mine = group
+                else:
+                    global_mine[index] = group
+    return local_mine, global_mine
+
+
+def _chunks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Heat's split: the remainder first, then full chunks of `size` elements."""
+    n = flat.numel()
+    if n <= size:
+        return [flat]
+    count = math.ceil(n / size)
+    sizes = [n - size * (count - 1)] + [size] * (count - 1)
+    return list(torch.split(flat, sizes))
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in targets:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n

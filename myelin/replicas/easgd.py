@@ -1,0 +1,226 @@
+"""The EASGD family (Zhang, Choromanska, LeCun 2015; You, Buluc, Demmel 2017).
+
+Each replica keeps its own parameters x_i and, every `tau` steps (from step 0), is pulled
+toward a center x~ with the moving rate alpha (= eta * rho):
+
+    sync      one all-reduce of the x_i per round; every rank keeps the center:
+                  d = x_i - x~ (before the optimizer step)
+                  x_i <- step(x_i) - alpha d,   x~ <- x~ + alpha (sum_i x_i - p x~)
+              lock-step and in a fixed reduction order, so bitwise reproducible
+    async     the center lives in the hub (replicas/hub.py); an exchange is one round
+              trip served first come first served: send x_i, get x~ back while the hub
+              moves x~ by alpha (x_i - x~) (You et al.)
+    hogwild   read x~, then push e = alpha (x_i - x~), which the hub adds without a lock
+              against other workers' reads (Zhang's Alg. 1 as the author's code runs it)
+
+Every exchange conserves x_i + x~. `momentum` (MEASGD) is heavy-ball momentum on the
+local update, v <- mu v + (step(x) - x), x <- x + v, with the elastic term kept out of v.
+What the model is: the center x~ (as the papers evaluate it); evaluation, state_dict()
+and checkpoints use it (`model_view`). Gradients are never averaged; the loss is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from myelin.errors import ConfigError
+from myelin.replicas import Context, Strategy
+
+__all__ = ["EASGD", "EasgdReplicas", "MODES"]
+
+MODES = ("sync", "async", "hogwild")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EASGD:
+    """EASGD's settings. tau: steps between exchanges; alpha: moving rate (default
+    0.9 / replicas, i.e. beta = 0.9); mode: "sync", "async" or "hogwild"; momentum: MEASGD's
+    mu on the local update (0: plain EASGD). In async and hogwild modes a hub silent for
+    TransportConfig.peer_timeout_s is a PeerLostError on every rank."""
+
+    tau: int = 1
+    alpha: float | None = None
+    mode: str = "sync"
+    momentum: float = 0.0
+
+    name = "easgd"
+
+    def __post_init__(self) -> None:
+        if type(self.tau) is not int or self.tau < 1:
+            raise ConfigError(f"EASGD(tau={self.tau!r}): must be an int >= 1")
+        if self.alpha is not None and not _number(self.alpha, 0.0, 1.0):
+            raise ConfigError(f"EASGD(alpha={self.alpha!r}): must be a number in [0, 1]")
+        if self.mode not in MODES:
+            raise ConfigError(f"EASGD(mode={self.mode!r}): must be one of {list(MODES)}")
+        if not _number(self.momentum, 0.0, 1.0) or self.momentum == 1.0:
+            raise ConfigError(f"EASGD(momentum={self.momentum!r}): must be a number in [0, 1)")
+
+    def check(self, stages: int, data_parallel: int) -> None:
+        """Raise before any work if alpha makes the sync center diverge."""
+        alpha = self.moving_rate(data_parallel)
+        if self.mode == "sync" and not 0 <= alpha * data_parallel < 2:
+            raise ConfigError(
+                f"EASGD(alpha={alpha}): sync mode needs beta = alpha x replicas < 2 "
+                f"(here {alpha * data_parallel:g}), or the center diverges"
+            )
+
+    def moving_rate(self, replicas: int) -> float:
+        """alpha, or 0.9 / replicas by default (beta = 0.9, Zhang et al.)."""
+        return float(self.alpha) if self.alpha is not None else 0.9 / replicas
+
+    def build(self, ctx: Context) -> Strategy:
+        """The running strategy on this rank (also with one replica: the center moves)."""
+        return EasgdReplicas(self, ctx)
+
+
+def _number(value: Any, low: float, high: float) -> bool:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    return ok and low <= value <= high
+
+
+class EasgdReplicas(Strategy):
+    """One replica of EASGD: local steps, an elastic exchange every tau steps."""
+
+    def __init__(self, spec: EASGD, ctx: Context) -> None:
+        world = ctx.world
+        self.spec, self.params = spec, ctx.params
+        self.replicas = world.layout.data_parallel
+        self.alpha = spec.moving_rate(self.replicas)
+        self.group = world.dp_group
+        self.t = 0  # this replica's clock: steps done
+        self.exchanges = 0
+        self.bytes_sent = 0
+        self.center = self._flat().clone()  # every replica starts from the same weights
+        self.velocity = torch.zeros_like(self.center) if spec.momentum else None
+        self.hub = None
+        self._viewing = False
+        if spec.mode != "sync":
+            from myelin.replicas.hub_client import connect_hub
+
+            self.hub = connect_hub(world, ctx, self.center)
+
+    def _flat(self) -> torch.Tensor:
+        if not self.params:
+            return torch.zeros(0)
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def _set(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+
+    # -- the hooks -------------------------------------------------------------
+
+    def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
+        """Average the loss; on an exchange step, take x_i - x~ before the optimizer step."""
+        loss_t = torch.tensor([loss], dtype=torch.float64)
+        work = None
+        if self.group is not None:
+            work = dist.all_reduce(loss_t, group=self.group, async_op=True)
+        self._before = self._flat() if self.velocity is not None else None
+        self._pull = None  # e = alpha (x_i - x~) on an exchange step
+        if self.t % self.spec.tau == 0 and self.params:
+            x = self._flat()
+            self.exchanges += 1
+            if self.spec.mode == "sync":
+                self._sum = x.clone()
+                self._work = None
+                if self.group is not None:  # overlaps the optimizer step
+                    self._work = dist.all_reduce(self._sum, group=self.group, async_op=True)
+                    self.bytes_sent += x.numel() * 4
+                self._pull = self.alpha * (x - self.center)
+            elif self.spec.mode == "async":
+                old = self.hub.exchange(x, self.alpha)  # x~ moved by alpha (x - x~) there
+                self._pull = self.alpha * (x - old)
+            else:
+                self._pull = self.alpha * (x - self.hub.read())
+                self.hub.push(self._pull)
+        if work is not None:
+            work.wait()
+            return float(loss_t.item()) / self.replicas
+        return loss
+
+    def eval_loss(self, loss: float) -> float:
+        if self.group is None:
+            return loss
+        loss_t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(loss_t, group=self.group)
+        return float(loss_t.item()) / self.replicas
+
+    def after_optimizer_step(self) -> None:
+        """Momentum on the local update, then the elastic pull (and the sync center)."""
+        if not self.params:
+            return
+        if self.velocity is not None:
+            x = self._flat()
+            self.velocity.mul_(self.spec.momentum).add_(x - self._before)
+            self._set(self._before + self.velocity)
+        if self._pull is None:
+            return
+        self._set(self._flat().sub_(self._pull))  # e = alpha (x_i - x~), taken before the step
+        if self.spec.mode == "sync":
+            if self._work is not None:
+                self._work.wait()
+            self.center.add_(self.alpha * (self._sum - self.replicas * self.center))
+
+    def step_end(self) -> None:
+        self.t += 1
+        if self.hub is not None:
+            self.hub.check()
+
+    def stats(self) -> dict[str, int]:
+        sent = self.hub.bytes if self.hub is not None else self.bytes_sent
+        return {"global_bytes": sent, "exchanges": self.exchanges}
+
+    # -- what the model is ----------------------------------------------------
+
+    def current_center(self) -> torch.Tensor:
+        """x~ now: this rank's copy (sync) or the hub's."""
+        return self.center if self.hub is None else self.hub.read()
+
+    @contextlib.contextmanager
+    def model_view(self) -> Iterator[None]:
+        """The parameters hold the center while open; the local x_i come back after."""
+        if not self.params or self._viewing:  # nested views: the outer one holds it
+            yield
+            return
+        self._viewing = True
+        local = self._flat()
+        self._set(self.current_center())
+        try:
+            yield
+        finally:
+            self._set(local)
+            self._viewing = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """x_i, the clock and the velocity; the checkpoint's model entries hold x~."""
+        state: dict[str, Any] = {"local": self._flat(), "t": self.t, "exchanges": self.exchanges}
+        if self.velocity is not None:
+            state["velocity"] = self.velocity.clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The parameters were loaded with x~: keep it as the center, restore x_i."""
+        if "local" not in state:
+            return
+        if self.hub is None:
+            self.center = self._flat().clone()
+        self._set(state["local"])
+        self.t, self.exchanges = int(state["t"]), int(state["exchanges"])
+        if self.velocity is not None and "velocity" in state:
+            self.velocity.copy_(state["velocity"])
+
+    def close(self) -> None:
+        if self.hub is not None:
+            self.hub.close()
+            self.hub = None

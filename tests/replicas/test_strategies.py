@@ -1,0 +1,150 @@
+"""The replica strategies in real multi-process runs (4 ranks on loopback), and their
+settings checked before any process starts (daso_easgd.md section 5)."""
+
+import math
+
+import pytest
+import torch
+
+import myelin
+from myelin.replicas.daso import merge_stale
+from tests._procs import launch
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """One 4-rank job for DASO and sync EASGD (about 25 s on 2 cores)."""
+    job = launch(4, "replicas.py", ["daso", "easgd"], tmp_path_factory.mktemp("four"), timeout=240)
+    assert job.returncode == 0, job.output[-4000:]
+    assert sorted(job.results) == [0, 1, 2, 3]
+    return job.results
+
+
+def test_sync_settings_are_checked_before_any_work():
+    with pytest.raises(myelin.ConfigError, match="sync='ring' must be one of"):
+        myelin.PipelineConfig(sync="ring")
+    with pytest.raises(myelin.ConfigError, match=r"DASO\(node_size=2\): data_parallel=3"):
+        myelin.PipelineConfig(data_parallel=3, sync=myelin.DASO(node_size=2))
+    with pytest.raises(myelin.ConfigError, match=r"EASGD\(tau=0\)"):
+        myelin.EASGD(tau=0)
+    with pytest.raises(myelin.ConfigError, match=r"EASGD\(mode='ring'\)"):
+        myelin.EASGD(mode="ring")
+    with pytest.raises(myelin.ConfigError, match="beta = alpha x replicas < 2"):
+        myelin.PipelineConfig(data_parallel=4, sync=myelin.EASGD(alpha=0.6))
+    with pytest.raises(myelin.ConfigError, match=r"DASO\(stability_level=2\)"):
+        myelin.DASO(stability_level=2)
+    with pytest.raises(myelin.ConfigError, match="precision='fp32'"):
+        myelin.Trainer(
+            torch.nn.Linear(2, 2),
+            torch.optim.SGD,
+            torch.nn.functional.mse_loss,
+            sync="easgd",
+            precision="bf16",
+        )
+    assert isinstance(myelin.PipelineConfig(sync="daso").sync, myelin.DASO)
+    assert isinstance(myelin.PipelineConfig().sync, myelin.AllReduce)
+
+
+@pytest.mark.parametrize("wait,nodes", [(0, 2), (1, 2), (3, 4), (2, 1)])
+def test_daso_merge_formula(wait, nodes):
+    x = torch.tensor([1.0, -2.0, 0.5, 8.0])
+    total = torch.tensor([3.0, 1.0, -4.0, 2.0])
+    w = 2 * wait if wait else 1
+    p = x.clone()
+    merge_stale([p], total, wait, nodes)
+    assert torch.allclose(p, (w * x + total) / (w + nodes), rtol=0, atol=1e-6)
+
+
+def test_daso_warmup_equals_allreduce_sgd(four):
+    for r in four.values():
+        assert r["daso"]["warmup_max_diff"] < 1e-6
+
+
+def test_daso_ranks_identical_at_every_blocking_average(four):
+    for r in four.values():
+        d = r["daso"]
+        assert d["identical"] and all(d["identical"])
+        assert d["differ_mid"] > 0  # between them the nodes do drift apart
+        assert d["bf16_representable"] and d["downcast"] == "torch.bfloat16"
+        assert d["view_is_synced"] and d["view_restores"]
+        assert d["kinds"][0] == ["Send"] and d["kinds"][1] == ["Merge"]
+        assert d["kinds"][5] == ["Send", "Merge", "Average"]  # the epoch's last step
+        assert all(k == ["Send", "Average"] for k in d["kinds"][12:])  # cool-down
+    # only one rank per node sends across nodes; every rank takes part in its node
+    sends = sorted(r["daso"]["bytes_global"] for r in four.values())
+    assert sends[0] == sends[1] and sends[2] == sends[3] and sends[0] != sends[2]
+
+
+def test_daso_resumes_exactly_across_a_pending_send(four):
+    for r in four.values():
+        d = r["daso"]
+        assert d["pending_at_save"] and d["resumed"] == d["full"]
+
+
+def test_daso_in_a_pipeline_runs_per_stage(four):
+    for r in four.values():
+        d = r["daso"]
+        assert d["pipeline_same_at_epoch_end"] == [True, True]
+        assert d["pipeline_stats"]["sends"] == 4 and d["pipeline_stats"]["local_bytes"] == 0
+
+
+def test_easgd_conservation_and_consensus_at_eta_zero(four):
+    e = four[0]["easgd"]
+    assert max(e["totals"]) - min(e["totals"]) < 1e-4 * abs(e["totals"][0])
+    ratios = [b / a for a, b in zip(e["spreads"], e["spreads"][1:], strict=False)]
+    assert all(math.isclose(q, 1 - e["alpha"], rel_tol=2e-3) for q in ratios)
+
+
+def test_easgd_reductions(four):
+    for r in four.values():
+        e = r["easgd"]
+        assert e["alpha0_equal"] and e["alpha0_center_still"]  # alpha = 0: local SGD
+        assert e["momentum_diff"] < 1e-5  # MEASGD's mu == SGD momentum, elastic outside v
+        assert e["exchanges"] == (7 - 1) // 3 + 1  # t = 0, 3, 6
+        assert e["bytes"] == e["exchanges"] * e["numel"] * 4
+
+
+def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
+    for r in four.values():
+        e = r["easgd"]
+        assert e["runs"][0] == e["runs"][1] and e["centers_equal"]
+    assert len({r["easgd"]["runs"][0][1] for r in four.values()}) == 1  # one center
+    assert len({r["easgd"]["runs"][0][0] for r in four.values()}) == 4  # own x_i
+    assert four[0]["easgd"]["state_dict_is_center"]
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """One worker, no launcher: sync, async and hogwild EASGD (about 30 s: 2 hubs start)."""
+    job = launch(1, "replicas.py", ["one"], tmp_path_factory.mktemp("one"), timeout=240)
+    assert job.returncode == 0, job.output[-4000:]
+    return job.results[0]["one"]
+
+
+def test_easgd_one_worker_async_and_hogwild_equal_sync(one):
+    finals = one["finals"]
+    assert finals["async"] == finals["sync"] and finals["hogwild"] == finals["sync"]
+    assert one["exchanges"] == 3  # at t = 0, 2, 4
+    assert one["hub_requests"] == 1 + 3 + 3  # init, exchanges, 3 reads of the center
+    assert one["evaluate_reads"] == 1
+
+
+def test_easgd_evaluation_state_dict_and_resume_use_the_center(one):
+    for mode in ("sync", "async", "hogwild"):
+        assert one[f"{mode}_eval"] == pytest.approx(one[f"{mode}_eval_center"], abs=1e-7)
+        assert one[f"{mode}_state_dict_is_center"]
+    assert one["resumed"] == one["full"]  # exact, momentum and center included
+
+
+def test_hub_exchanges_conserve_and_its_death_is_peer_lost_everywhere(tmp_path):
+    """Four workers on one hub (about 50 s on 2 cores: 3 hubs start, one is killed)."""
+    job = launch(4, "replicas.py", ["hub"], tmp_path, timeout=240)
+    assert sorted(job.results) == [0, 1, 2, 3], job.output[-4000:]
+    for r in job.results.values():
+        h = r["hub"]
+        for mode in ("async", "hogwild"):
+            before, after, exchanges = h[mode]
+            assert after == pytest.approx(before, rel=1e-5) and exchanges == 4
+        assert h["error"] == "PeerLostError", h
+        assert h["after_s"] < 15  # peer_timeout_s is 5 s; the old behaviour was a 300 s wait
+        assert "hub" in h["message"]
