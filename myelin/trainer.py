@@ -31,7 +31,7 @@ from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
 from myelin.offload.pool import parse_bytes
 from myelin.partition import split
-from myelin.placement import check_every_stage_trains, place_stage, stage_modules
+from myelin.placement import check_every_stage_trains, place_stage, stage_device, stage_modules
 from myelin.precision import compute_dtype
 from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
@@ -45,7 +45,6 @@ from myelin.runtime.group import (
     check_world_size,
     close_world,
     init_world,
-    pick_device,
 )
 from myelin.runtime.liveness import Liveness
 from myelin.runtime.loop import EventLoop, LoopConfig
@@ -73,6 +72,9 @@ class Trainer:
     device_memory_limit: bytes or "6GiB" this rank may use on its device. On a GPU it caps
         torch's allocator; elsewhere the runtime adds up parameters, gradients, optimizer
         state and saved activations and raises myelin.DeviceMemoryError past it.
+    stage_devices: one device per stage, e.g. ["cuda", "cpu"], instead of `device`: a stage
+        placed on the host CPU while the others use the accelerator.
+    cpu_threads: torch threads on ranks computing on the CPU (an int, or one per stage).
     run_dir: where a failing rank writes its flight record (run_dir/flight/rankN.json):
         its last messages and operations. Default $MYELIN_RUN_DIR/flight, else
         ./myelin-flight.
@@ -100,6 +102,8 @@ class Trainer:
         precision: str = "fp32",
         device_memory_limit: int | str | None = None,
         run_dir: str | os.PathLike | None = None,
+        stage_devices: Sequence[str | torch.device] | None = None,
+        cpu_threads: int | Sequence[int | None] | None = None,
     ) -> None:
         self.config = cfg = PipelineConfig(
             stages=stages,
@@ -110,6 +114,8 @@ class Trainer:
             partition=partition,
             timeout=timeout,
             transport=transport if transport is not None else TransportConfig(),
+            stage_devices=stage_devices,
+            cpu_threads=cpu_threads,
         )
         _check_callables(optimizer, loss_fn)
         self._profile = ProfileConfig.from_arg(profile)
@@ -131,7 +137,11 @@ class Trainer:
         self._closed = False
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
-        self.world: World = init_world(layout, pick_device(device), cfg.timeout)
+        chosen, any_cuda = stage_device(cfg, device, layout)
+        self.world: World = init_world(layout, chosen, cfg.timeout, any_cuda)
+        threads = cfg.threads_of(self.world.stage)
+        if threads is not None and self.world.device.type == "cpu":
+            torch.set_num_threads(threads)
         self._failures = Failures(self.world.rank, layout.world_size, flight_dir)
         self.flight = self._failures.flight
         try:
