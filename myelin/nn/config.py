@@ -24,6 +24,8 @@ class LSHConfig:
     bin_size: dwta only, coordinates each winner-take-all hash compares (2..in_features).
     bucket_cap: most classes taken from one bucket (a random subset of a fuller one).
     min_active: the random floor: the active set is padded with random classes to this size.
+    min_hits: a class counts as retrieved for a row only when at least this many of the
+        row's L buckets hold it (SLIDE's threshold mode): fewer, closer candidates.
     max_active: keep at most this many retrieved classes per batch (the most often
         retrieved), besides the batch's labels; None keeps all.
     rebuild_threshold: rehash every class once this share of (class, table) codes of a
@@ -41,6 +43,7 @@ class LSHConfig:
     bin_size: int = 8
     bucket_cap: int = 128
     min_active: int = 1000
+    min_hits: int = 1
     max_active: int | None = None
     rebuild_threshold: float = 0.1
     check_every: int = 20
@@ -58,6 +61,7 @@ class LSHConfig:
         _int("bin_size", self.bin_size, 2, 1 << 16)
         _int("bucket_cap", self.bucket_cap, 1, 1 << 30)
         _int("min_active", self.min_active, 0, 1 << 40)
+        _int("min_hits", self.min_hits, 1, self.tables if type(self.tables) is int else 1)
         if self.max_active is not None:
             _int("max_active", self.max_active, 1, 1 << 40)
         _int("check_every", self.check_every, 1, 1 << 40)

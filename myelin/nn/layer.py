@@ -8,7 +8,8 @@
 
 One training step (SLIDE, with Mongoose's batch-level engine):
 1. hash h's rows into the L tables; the batch's active set is its labels, every class
-   the tables return for any of its rows (at most max_active of them), and random classes
+   the tables return for any of its rows (in at least min_hits of the row's tables; at
+   most max_active of them, the most often returned), and random classes
    up to min_active (active.py's `active_set`);
 2. logits (B, A) = h @ W[active].T + b[active], one dense matmul; log-softmax over the
    active set; loss = mean over rows of -sum over its labels of log p / |labels| (SLIDE's
@@ -119,8 +120,11 @@ class LSHSoftmax(nn.Module):
         if not self.training:
             return soft_target_loss(output, labels)
         self._maybe_rebuild()
-        retrieved, _ = self.tables.query(self.hasher(output.detach()))
         c = self.config
+        retrieved, row = self.tables.query(self.hasher(output.detach()))
+        if c.min_hits > 1:  # keep (row, class) pairs that enough of the row's tables return
+            pair, hits = torch.unique(row * self.num_classes + retrieved, return_counts=True)
+            retrieved = pair[hits >= c.min_hits] % self.num_classes
         active = active_set(
             self.num_classes, labels, retrieved, c.min_active, c.max_active, self._gen
         )

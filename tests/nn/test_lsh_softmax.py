@@ -95,7 +95,7 @@ def test_lazy_adam_equals_dense_adam_on_each_row_it_touched():
 @pytest.mark.parametrize("family", ["simhash", "dwta"])
 def test_a_class_whose_weight_equals_the_query_is_retrieved_by_every_table(family):
     torch.manual_seed(2)
-    head = LSHSoftmax(H, C, family=family, bits=5, tables=4, bucket_cap=C, min_active=0)
+    head = LSHSoftmax(H, C, family=family, bits=5, tables=4, bucket_cap=C, min_active=0, min_hits=4)
     queries = torch.relu(torch.randn(5, H))
     targets = torch.tensor([3, 77, 150, 151, 299])
     with torch.no_grad():
@@ -104,7 +104,8 @@ def test_a_class_whose_weight_equals_the_query_is_retrieved_by_every_table(famil
     ids, row = head.tables.query(head.hasher(queries))
     for i, t in enumerate(targets.tolist()):
         assert int(((ids == t) & (row == i)).sum()) == head.config.tables
-    # and it is in the batch's active set without being a label, with no random floor
+    # and it is in the active set without being a label, with no floor, when every table
+    # must return a class (min_hits=tables)
     head(queries, torch.full((5, 1), -1)).backward()
     assert set(targets.tolist()) <= set(head.active.tolist())
     assert head.active.numel() < C
@@ -199,6 +200,7 @@ def test_checkpoint_resume_restores_layer_optimizer_state_and_tables():
         ({"bucket_cap": 0}, "bucket_cap"),
         ({"min_active": -1}, "min_active"),
         ({"max_active": 0}, "max_active"),
+        ({"min_hits": 17, "tables": 16}, "min_hits"),
         ({"rebuild_threshold": 0.0}, "rebuild_threshold"),
         ({"check_every": 0}, "check_every"),
         ({"inference": "approx"}, "inference"),
