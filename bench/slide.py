@@ -1,7 +1,7 @@
 """Wide softmax on the CPU: full softmax vs uniform sampling vs myelin.nn.LSHSoftmax.
 
-    python bench/slide.py                 # 20K labels, then 200K labels (~25 minutes)
-    python bench/slide.py --sizes 20k     # 20K only (~4 minutes)
+    python bench/slide.py --sizes 20k     # 20K labels, 3 epochs (~10 CPU-minutes)
+    python bench/slide.py --sizes 200k    # 200K labels, 2 epochs (~15 CPU-minutes)
 
 On myelin.nn.make_xc data (sparse features, power-law labels, correlated labels), the
 same network (bag of features -> 128 ReLU -> wide softmax, batch 128) trained three ways,
@@ -39,18 +39,11 @@ from myelin.nn import (  # noqa: E402
 )
 
 HIDDEN, BATCH = 128, 128
+LSH = {"tables": 8, "min_hits": 2, "max_active": 1000, "min_active": 1500}
 SIZES = {
     # labels, features, train rows, test rows, topics, epochs, LSH settings
-    "20k": (
-        20_000,
-        5_000,
-        20_000,
-        5_000,
-        500,
-        6,
-        {"bits": 10, "tables": 8, "max_active": 1500, "min_active": 1500},
-    ),
-    "200k": (200_000, 20_000, 40_000, 5_000, 5_000, 4, {"bits": 11, "tables": 8}),
+    "20k": (20_000, 5_000, 20_000, 5_000, 500, 3, LSH | {"bits": 10}),
+    "200k": (200_000, 20_000, 10_000, 2_000, 5_000, 2, LSH | {"bits": 13}),
 }
 
 
@@ -98,12 +91,16 @@ def build(method: str, size: tuple, seed: int) -> dict[str, Any]:
 
         def loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return soft_target_loss(head(h), y)
-    elif method == "uniform":
+    elif method == "uniform":  # plain PyTorch: SparseAdam
         head = Uniform(labels, seed)
         opts = [
             torch.optim.SparseAdam([body.bag.weight, head.head.weight, head.head.bias], lr=1e-3),
             torch.optim.Adam([body.bias], lr=1e-3),
         ]
+        loss = head.loss
+    elif method == "uniform-lazy":  # the LSH layer's optimizer, uniform candidates
+        head = Uniform(labels, seed)
+        opts = [LazyAdam([*body.parameters(), *head.parameters()], lr=1e-3)]
         loss = head.loss
     else:
         head = LSHSoftmax(HIDDEN, labels, seed=seed, **lsh)
@@ -151,9 +148,10 @@ def p_at_1(run: dict[str, Any], split: Any) -> float:
     return hits / len(split)
 
 
-def run_size(name: str, methods: list[str], seed: int) -> dict[str, Any]:
+def run_size(name: str, methods: list[str], seed: int, epochs: int | None) -> dict[str, Any]:
     size = SIZES[name]
-    labels, features, train_rows, test_rows, topics, epochs, lsh = size
+    labels, features, train_rows, test_rows, topics, default_epochs, lsh = size
+    epochs = epochs or default_epochs
     cfg = XCConfig(
         num_labels=labels,
         num_features=features,
@@ -170,7 +168,7 @@ def run_size(name: str, methods: list[str], seed: int) -> dict[str, Any]:
     runs = {m: build(m, size, seed) for m in methods}
     for epoch in range(epochs):
         for m in methods:  # alternating, so the machine's load falls on all alike
-            if m == "uniform" and "lsh" in runs and runs["lsh"]["active"]:
+            if m.startswith("uniform") and "lsh" in runs and runs["lsh"]["active"]:
                 runs[m]["head"].candidates = round(runs["lsh"]["active"][-1])
             wall, cpu, active = train_epoch(runs[m], data.train, epoch)
             p1 = p_at_1(runs[m], data.test)
@@ -201,6 +199,15 @@ def run_size(name: str, methods: list[str], seed: int) -> dict[str, Any]:
     return out
 
 
+def state_bytes(run: dict[str, Any]) -> int:
+    """Bytes of parameters, buffers (hash tables) and optimizer state of a run."""
+    tensors = [*run["body"].state_dict().values(), *run["head"].state_dict().values()]
+    for o in run["opts"]:
+        for st in o.state.values():
+            tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
     """Cumulative wall seconds until the curve's P@1 first reaches `target`."""
     total = 0.0
@@ -226,11 +233,20 @@ def report(results: dict[str, Any]) -> None:
                     f"{sorted(p['cpu_s'] for p in c)[len(c) // 2]:.1f}",
                     " ".join(f"{p['p1']:.3f}" for p in c),
                     f"{r['mean_active']:,.0f}",
+                    f"{r['state_mib']:.0f}",
                     "-" if reach is None else f"{reach:.0f}",
                 ]
             )
     print_table(
-        ["run", "s/epoch wall", "s/epoch cpu", "P@1 per epoch", "active", "s to full's P@1"],
+        [
+            "run",
+            "s/epoch wall",
+            "s/epoch cpu",
+            "P@1 per epoch",
+            "active",
+            "state MiB",
+            "s to full's P@1",
+        ],
         rows,
         title="median seconds per training epoch; P@1 on the whole test set (exact)",
     )
@@ -239,14 +255,15 @@ def report(results: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="20k,200k", help="comma list of " + ", ".join(SIZES))
-    ap.add_argument("--methods", default="lsh,uniform,full")
+    ap.add_argument("--methods", default="lsh,uniform,uniform-lazy,full")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=None, help="override every size's epochs")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/slide.json)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     results = {}
     for name in args.sizes.split(","):
-        results[name] = run_size(name, methods, args.seed)
+        results[name] = run_size(name, methods, args.seed, args.epochs)
         report(results)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of the whole run: {peak:.0f} MiB")
