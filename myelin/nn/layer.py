@@ -25,7 +25,9 @@ and `head.loss(h, labels)` does step 2; in eval mode forward returns logits and
 
 Memory per class (fp32, H = in_features, L = tables): weights and bias 4 (H + 1) bytes;
 LazyAdam 8 (H + 1) + 16 bytes (moments, per-row step counts of W and b); tables 20 L
-bytes (codes, sorted keys, ids). At H = 128, L = 16: 516 + 1048 + 320 = about 1.9 KB.
+bytes (codes, sorted keys, ids); 9 bytes of per-step scratch (the class -> active
+position map and the active mask). At H = 128, L = 8: 516 + 1048 + 160 + 9, about 1.7 KB.
+Per step: A (H + 1) floats of gathered rows and B A of logits, A the active set's size.
 """
 
 from __future__ import annotations
