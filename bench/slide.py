@@ -193,6 +193,7 @@ def run_size(name: str, methods: list[str], seed: int, epochs: int | None) -> di
         out["methods"][m] = {
             "curve": r["curve"],
             "mean_active": sum(r["active"]) / len(r["active"]),
+            "state_mib": state_bytes(r) / 2**20,
         }
         if m == "lsh":
             out["methods"][m]["stats"] = dict(r["head"].stats)
@@ -233,7 +234,7 @@ def report(results: dict[str, Any]) -> None:
                     f"{sorted(p['cpu_s'] for p in c)[len(c) // 2]:.1f}",
                     " ".join(f"{p['p1']:.3f}" for p in c),
                     f"{r['mean_active']:,.0f}",
-                    f"{r['state_mib']:.0f}",
+                    f"{r.get('state_mib', float('nan')):.0f}",
                     "-" if reach is None else f"{reach:.0f}",
                 ]
             )
