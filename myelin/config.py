@@ -38,6 +38,11 @@ class PipelineConfig:
     timeout: seconds any wait may last before it raises, naming what never came.
     sync: how the replicas of a stage agree: myelin.AllReduce() (default), myelin.DASO(...),
         myelin.EASGD(...), or one of the names "allreduce", "daso", "easgd".
+    stage_devices: one device per stage, e.g. ["cuda", "cpu"]: a stage placed on the host
+        CPU while the others use the accelerator (an LSH wide layer's stage, say); default
+        every stage on its local GPU, else the CPU.
+    cpu_threads: torch's intra-op threads on each rank computing on the CPU: one int for
+        every such stage, or one entry (int or None: torch's default) per stage.
     """
 
     stages: int = 1
@@ -49,6 +54,8 @@ class PipelineConfig:
     timeout: float = 300.0
     transport: TransportConfig = field(default_factory=TransportConfig)
     sync: Any = "allreduce"
+    stage_devices: tuple[str, ...] | None = None
+    cpu_threads: int | tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "data_parallel"):
@@ -79,6 +86,60 @@ class PipelineConfig:
             raise ConfigError(f"transport={self.transport!r} must be a myelin.TransportConfig")
         sync = resolve_sync(self.sync, self.stages, self.data_parallel)
         object.__setattr__(self, "sync", sync)
+        self._check_stage_devices()
+        self._check_cpu_threads()
+
+    def _check_stage_devices(self) -> None:
+        devices = self.stage_devices
+        if devices is None:
+            return
+        if isinstance(devices, (str, torch.device)) or not isinstance(devices, (list, tuple)):
+            raise ConfigError(
+                f"stage_devices={devices!r} must be a list with one device per stage, "
+                f"e.g. ['cuda', 'cpu']"
+            )
+        if len(devices) != self.stages:
+            raise ConfigError(
+                f"stage_devices={list(devices)} lists {len(devices)} devices, but "
+                f"stages={self.stages}"
+            )
+        names = []
+        for i, d in enumerate(devices):
+            if not isinstance(d, (str, torch.device)):
+                raise ConfigError(f"stage_devices[{i}]={d!r} must be a string like 'cpu'")
+            try:
+                kind = torch.device(d).type
+            except RuntimeError as exc:
+                raise ConfigError(f"stage_devices[{i}]={d!r} is not a device: {exc}") from None
+            if kind not in ("cpu", "cuda"):
+                raise ConfigError(f"stage_devices[{i}]={d!r} must be a 'cpu' or 'cuda' device")
+            names.append(str(d))
+        object.__setattr__(self, "stage_devices", tuple(names))
+
+    def _check_cpu_threads(self) -> None:
+        threads = self.cpu_threads
+        if threads is None:
+            return
+        if isinstance(threads, (list, tuple)):
+            if len(threads) != self.stages:
+                raise ConfigError(
+                    f"cpu_threads={list(threads)} lists {len(threads)} entries, but "
+                    f"stages={self.stages}"
+                )
+            for i, n in enumerate(threads):
+                if n is not None and (type(n) is not int or not 1 <= n <= 1024):
+                    raise ConfigError(f"cpu_threads[{i}]={n!r} must be None or an int in [1, 1024]")
+            object.__setattr__(self, "cpu_threads", tuple(threads))
+        elif type(threads) is not int or not 1 <= threads <= 1024:
+            raise ConfigError(
+                f"cpu_threads={threads!r} must be an int in [1, 1024] or one entry per stage"
+            )
+
+    def threads_of(self, stage: int) -> int | None:
+        """The CPU threads set for `stage` (None: leave torch's default)."""
+        if isinstance(self.cpu_threads, tuple):
+            return self.cpu_threads[stage]
+        return self.cpu_threads
 
     @property
     def inflight(self) -> int:

@@ -1,5 +1,7 @@
 """This rank's stage of the model: cut out, materialised, on its device, ties kept.
 
+    device, any_cuda = stage_device(config, device, layout)   # before the world is joined
+
     module, tied = place_stage(model, config, world)
 
 The stage is `config.stages`' contiguous run of layers for this rank (see partition.py).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -20,7 +23,7 @@ from myelin.config import PipelineConfig
 from myelin.errors import ConfigError, PartitionError
 from myelin.init import is_meta, materialize
 from myelin.partition import StageModule, cross_stage_ties, layers_of, stage_module
-from myelin.runtime.group import World, new_groups
+from myelin.runtime.group import Layout, World, new_groups, pick_device, this_rank
 
 __all__ = [
     "Tied",
@@ -28,6 +31,7 @@ __all__ = [
     "layer_modules",
     "parameter_names",
     "place_stage",
+    "stage_device",
     "stage_modules",
 ]
 
@@ -45,6 +49,7 @@ def place_stage(model: Any, config: PipelineConfig, world: World) -> tuple[nn.Mo
     cfg = config
     module = stage_module(model, cfg.stages, world.stage, cfg.partition)
     ties = cross_stage_ties(model, cfg.stages, cfg.partition) if cfg.stages > 1 else {}
+    _check_ties_share_a_device_type(cfg, ties)
     names = {
         stages: [n for n, p in module.named_parameters() if id(p) in ids]
         for stages, ids in ties.items()
@@ -67,6 +72,35 @@ def place_stage(model: Any, config: PipelineConfig, world: World) -> tuple[nn.Mo
                 dist.broadcast(p.data, src, group=group)
         tied.append((group, params))
     return module, tied
+
+
+def stage_device(cfg: PipelineConfig, device: Any, layout: Layout) -> tuple[torch.device, bool]:
+    """This rank's device (from `device`, else its stage's entry of `stage_devices`, else
+    its GPU or the CPU), and whether any stage computes on a GPU."""
+    if cfg.stage_devices is None:
+        chosen = pick_device(device)
+        return chosen, chosen.type == "cuda"
+    if device is not None:
+        raise ConfigError(
+            f"give device={device!r} or stage_devices={list(cfg.stage_devices)}, not both"
+        )
+    stage = layout.stage_of(this_rank())
+    chosen = pick_device(cfg.stage_devices[stage], f"stage_devices[{stage}]")
+    any_cuda = any(torch.device(d).type == "cuda" for d in cfg.stage_devices)
+    return chosen, any_cuda
+
+
+def _check_ties_share_a_device_type(cfg: PipelineConfig, ties: dict) -> None:
+    """Tied parameters are summed by one collective, which cannot mix CPU and GPU tensors."""
+    if cfg.stage_devices is None:
+        return
+    for stages in ties:
+        kinds = {torch.device(cfg.stage_devices[s]).type for s in stages}
+        if len(kinds) > 1:
+            raise ConfigError(
+                f"stages {list(stages)} share tied parameters but stage_devices puts them on "
+                f"{sorted(kinds)}; keep stages that share parameters on one kind of device"
+            )
 
 
 def check_every_stage_trains(model: Any, cfg: PipelineConfig) -> None:

@@ -42,6 +42,7 @@ from myelin.placement import (
     layer_modules,
     parameter_names,
     place_stage,
+    stage_device,
     stage_modules,
 )
 from myelin.precision import compute_dtype
@@ -59,7 +60,6 @@ from myelin.runtime.group import (
     check_world_size,
     close_world,
     init_world,
-    pick_device,
 )
 from myelin.runtime.liveness import Liveness
 from myelin.runtime.loop import EventLoop, LoopConfig
@@ -94,6 +94,9 @@ class Trainer:
     device_memory_limit: bytes or "6GiB" this rank may use on its device. On a GPU it caps
         torch's allocator; elsewhere the runtime adds up parameters, gradients, optimizer
         state and saved activations and raises myelin.DeviceMemoryError past it.
+    stage_devices: one device per stage, e.g. ["cuda", "cpu"], instead of `device`: a stage
+        placed on the host CPU while the others use the accelerator.
+    cpu_threads: torch threads on ranks computing on the CPU (an int, or one per stage).
     run_dir: where a failing rank writes its flight record (run_dir/flight/rankN.json):
         its last messages and operations. Default $MYELIN_RUN_DIR/flight, else
         ./myelin-flight.
@@ -136,6 +139,8 @@ class Trainer:
         max_grad_norm: float | None = None,
         lr_schedule: Callable[[torch.optim.Optimizer], Any] | None = None,
         sync: Any = "allreduce",
+        stage_devices: Sequence[str | torch.device] | None = None,
+        cpu_threads: int | Sequence[int | None] | None = None,
     ) -> None:
         self.seed = torch.initial_seed()  # the layers' random streams derive from it
         self.config = cfg = PipelineConfig(
@@ -148,6 +153,8 @@ class Trainer:
             timeout=timeout,
             transport=transport if transport is not None else TransportConfig(),
             sync=sync,
+            stage_devices=stage_devices,
+            cpu_threads=cpu_threads,
         )
         model, self._compile_layer = compiled.unwrap(model)
         loss_fn = hf.own_loss(model) if loss_fn is None else loss_fn
@@ -175,7 +182,11 @@ class Trainer:
         self._closed = False
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
-        self.world: World = init_world(layout, pick_device(device), cfg.timeout)
+        chosen, any_cuda = stage_device(cfg, device, layout)
+        self.world: World = init_world(layout, chosen, cfg.timeout, any_cuda)
+        threads = cfg.threads_of(self.world.stage)
+        if threads is not None and self.world.device.type == "cpu":
+            torch.set_num_threads(threads)
         self._failures = Failures(self.world.rank, layout.world_size, flight_dir)
         self.flight = self._failures.flight
         try:

@@ -142,6 +142,13 @@ TRAINER = [
     bad("timeout=86401", "(0, 86400]", timeout=86401),
     bad("timeout=True", "number of seconds", timeout=True),
     bad("timeout='300'", "number of seconds", timeout="300"),
+    # stage_devices: one 'cpu' or 'cuda' device per stage; cpu_threads: ints in [1, 1024]
+    bad("stage_devices=['cpu']", "lists 1 devices", "stages=2", stage_devices=["cpu"]),
+    bad("stage_devices[1]='tpu'", "stage_devices[1]='tpu'", stage_devices=["cpu", "tpu"]),
+    bad("stage_devices='cpu'", "one device per stage", stage_devices="cpu"),
+    bad("cpu_threads=0", "cpu_threads=0", "[1, 1024]", cpu_threads=0),
+    bad("cpu_threads[1]=-1", "cpu_threads[1]=-1", cpu_threads=[1, -1]),
+    bad("not both", device="cpu", stage_devices=["cpu", "cpu"]),
     # transport, offload: the config objects
     bad("transport='tcp'", "TransportConfig", transport="tcp"),
     bad("transport={}", "TransportConfig", transport={}),

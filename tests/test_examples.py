@@ -133,3 +133,21 @@ def test_hf_llama_example_learns_saves_and_starts_again_from_its_folder(tmp_path
     assert val[1] < val[0], (first.stdout, again.stdout)  # the second run went on from the first
     assert f"loaded {tmp_path / 'b'} with from_pretrained" in again.stdout
     assert (tmp_path / "b" / "model.safetensors.index.json").is_file()
+
+
+def test_xc_lsh_example_learns_with_the_lsh_layer(tmp_path):
+    cmd = [sys.executable, str(EXAMPLES / "xc_lsh.py"), "--stages", "1", "--epochs", "2"]
+    cmd += ["--rows", "2000", "--labels", "1000", "--features", "500"]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env={"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    p1 = [float(x) for x in re.findall(r"P@1 (\d\.\d+)", res.stdout)]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
+    assert len(p1) == 2 and losses[1] < losses[0], res.stdout
+    assert p1[-1] > 0.1, res.stdout  # chance is about 1/1000; the ceilings are printed

@@ -24,6 +24,8 @@ __all__ = [
     "Layout",
     "World",
     "init_world",
+    "pick_device",
+    "this_rank",
     "close_world",
     "new_groups",
     "sum_gradients",
@@ -125,23 +127,24 @@ def check_world_size(layout: Layout) -> int:
     return world
 
 
-def pick_device(device: str | torch.device | None) -> torch.device:
-    """The device this rank computes on: the given one, else its local GPU, else the CPU."""
+def pick_device(device: str | torch.device | None, field: str = "device") -> torch.device:
+    """The device this rank computes on: the given one, else its local GPU, else the CPU.
+    `field` names the setting in errors (e.g. "stage_devices[1]")."""
     if device is not None:
         if not isinstance(device, (str, torch.device)):
-            raise ConfigError(f"device={device!r} must be a string like 'cuda:0' or 'cpu'")
+            raise ConfigError(f"{field}={device!r} must be a string like 'cuda:0' or 'cpu'")
         try:
             chosen = torch.device(device)
         except RuntimeError as exc:
-            raise ConfigError(f"device={device!r} is not a device torch knows: {exc}") from None
+            raise ConfigError(f"{field}={device!r} is not a device torch knows: {exc}") from None
         if chosen.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if count == 0 or (chosen.index is not None and chosen.index >= count):
                 raise ConfigError(
-                    f"device={device!r}: this machine has {count} CUDA device(s); choose "
+                    f"{field}={device!r}: this machine has {count} CUDA device(s); choose "
                     f"cuda:0..cuda:{count - 1}"
                     if count
-                    else f"device={device!r}: no CUDA here"
+                    else f"{field}={device!r}: no CUDA here"
                 )
         if chosen.type == "cuda" and chosen.index is None:
             return _local_gpu()  # "cuda" alone: this rank's GPU, not every rank's cuda:0
@@ -162,20 +165,33 @@ def _gpu_shared() -> bool:
     return local_world > torch.cuda.device_count()
 
 
-def init_world(layout: Layout, device: torch.device, timeout_s: float) -> World:
-    """Join (or create) the process group and build this rank's data-parallel group."""
+def this_rank() -> int:
+    """This process's rank before the world is joined: the process group's, else RANK."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_world(
+    layout: Layout, device: torch.device, timeout_s: float, any_cuda: bool = False
+) -> World:
+    """Join (or create) the process group and build this rank's data-parallel group.
+
+    `any_cuda`: some rank computes on a GPU (stages on the host beside stages on a GPU),
+    so every rank opens the same "cpu:gloo,cuda:nccl" backend."""
     world_size = check_world_size(layout)
     if world_size == 1 and not dist.is_initialized():
         return World(rank=0, layout=layout, device=device)
     owns = False
     if not dist.is_initialized():
-        nccl = device.type == "cuda" and not _gpu_shared()
+        # any_cuda: a CPU stage beside GPU stages opens the same backend as they do
+        nccl = (any_cuda or device.type == "cuda") and not _gpu_shared()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # kernels, events and NCCL on this rank's GPU
         dist.init_process_group(
             backend="cpu:gloo,cuda:nccl" if nccl else "gloo",
             timeout=timedelta(seconds=timeout_s),
-            device_id=device if nccl else None,
+            device_id=device if nccl and device.type == "cuda" else None,
         )
         # The default group lives as long as the process: a second Trainer in the same
         # script reuses it (re-creating it on the same store would find stale keys).

@@ -1,0 +1,88 @@
+"""Locality-sensitive hash families: vectors in, one bucket code per table out.
+
+    hasher = Hasher("simhash", dim=128, bits=9, tables=16, seed=0)
+    codes = hasher(x)        # (N, dim) -> (N, tables) int64, each code < 2 ** hasher.code_bits
+
+Two families, both vectorised over rows and tables (no Python loop over either):
+- "simhash" (signed random projections): a code is the K sign bits of K random
+  projections, so vectors at a small angle share codes (cosine similarity).
+- "dwta" (densified winner-take-all, Chen & Shrivastava 2018): each of the K hashes looks
+  at `bin_size` random coordinates and keeps the position of the largest; a hash whose
+  coordinates are all zero (common for sparse or ReLU vectors) borrows the code of
+  another hash of the same row ("densification"), trying up to `DENSIFY_TRIES` others.
+Hash functions are buffers, so they are saved with the layer and travel with `.to()`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from myelin.errors import ConfigError
+
+__all__ = ["DENSIFY_TRIES", "FAMILIES", "Hasher"]
+
+FAMILIES = ("simhash", "dwta")
+DENSIFY_TRIES = 8
+_CHUNK_ROWS = 8192  # rows hashed at once: bounds the (rows, K*L, bin) gather of DWTA
+
+
+class Hasher(nn.Module):
+    """`tables` hash tables of `bits` hashes each (K and L of the SLIDE paper)."""
+
+    def __init__(
+        self, family: str, dim: int, bits: int, tables: int, bin_size: int = 8, seed: int = 0
+    ) -> None:
+        super().__init__()
+        if family not in FAMILIES:
+            raise ConfigError(f"family={family!r} must be one of {', '.join(FAMILIES)}")
+        self.family, self.dim, self.bits, self.tables = family, dim, bits, tables
+        self.bin_size = bin_size
+        per_hash = 1 if family == "simhash" else (bin_size - 1).bit_length()
+        self.code_bits = bits * per_hash  # a table's code is < 2 ** code_bits
+        g = torch.Generator().manual_seed(seed)
+        n = bits * tables
+        if family == "simhash":
+            self.register_buffer("projection", torch.randn(dim, n, generator=g))
+            self.register_buffer("coords", torch.zeros(0, dtype=torch.long))
+        else:
+            coords = torch.stack([torch.randperm(dim, generator=g)[:bin_size] for _ in range(n)])
+            self.register_buffer("projection", torch.zeros(0))
+            self.register_buffer("coords", coords)  # (K*L, bin): the coordinates each hash sees
+        # densification: hash j borrows from hash (j + shift[t]) % (K*L) on try t
+        self.register_buffer("shift", torch.randint(1, max(n, 2), (DENSIFY_TRIES,), generator=g))
+        self.register_buffer("place", torch.arange(bits) * per_hash)  # bit offset of hash k
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, dim) -> (N, tables) int64 codes."""
+        if x.dim() != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"Hasher expects (N, {self.dim}) vectors, got {tuple(x.shape)}")
+        parts = [self._codes(x[i : i + _CHUNK_ROWS]) for i in range(0, x.shape[0], _CHUNK_ROWS)]
+        if not parts:
+            return torch.zeros(0, self.tables, dtype=torch.long, device=x.device)
+        return torch.cat(parts)
+
+    def _codes(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.family == "simhash":
+            per = (x @ self.projection > 0).long()  # (N, K*L) sign bits
+        else:
+            seen = x[:, self.coords]  # (N, K*L, bin)
+            per = seen.argmax(2)
+            per = self._densify(per, (seen != 0).any(2))
+        per = per.view(x.shape[0], self.tables, self.bits)
+        return (per << self.place).sum(2)
+
+    def _densify(self, codes: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """Empty hashes (all coordinates zero) take the code of the first non-empty hash
+        found at the shifts in `shift`; a row with every hash empty keeps code 0."""
+        n = codes.shape[1]
+        j = torch.arange(n, device=codes.device)
+        out, empty = codes.clone(), ~full
+        for shift in self.shift.tolist():  # a fixed handful of tries, not a loop over data
+            alt = (j + shift) % n
+            take = empty & full[:, alt]
+            out = torch.where(take, codes[:, alt], out)
+            empty = empty & ~take
+        return torch.where(empty, torch.zeros_like(out), out)

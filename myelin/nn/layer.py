@@ -1,0 +1,250 @@
+"""`LSHSoftmax`: a wide softmax layer that, in training, computes only an active set of classes.
+
+    head = LSHSoftmax(128, 200_000, bits=9, tables=16)       # or config=LSHConfig(...)
+    optimizer = LazyAdam(model.parameters(), lr=1e-3)
+    loss = head(h, labels)           # training: h (B, 128), labels (B, M) padded with -1
+    loss.backward(); optimizer.step()
+    head.eval(); logits = head(h)    # (B, C): exact, or head(h, inference="lsh")
+
+One training step (SLIDE, with Mongoose's batch-level engine):
+1. hash h's rows into the L tables; the batch's active set is its labels, every class
+   the tables return for any of its rows (in at least min_hits of the row's tables; at
+   most max_active of them, the most often returned), and random classes
+   up to min_active (active.py's `active_set`);
+2. logits (B, A) = h @ W[active].T + b[active], one dense matmul; log-softmax over the
+   active set; loss = mean over rows of -sum over its labels of log p / |labels| (SLIDE's
+   soft multi-label target);
+3. backward gives W and b sparse gradients: only the A active rows (LazyAdam steps them);
+4. every `check_every` steps a probe rehashes probe_rows random classes; once the share
+   of their codes that changed reaches rebuild_threshold, every class is rehashed.
+
+In a myelin pipeline the labels reach the last stage through the loss function, not the
+module: with `loss_fn=head.loss`, a training forward without labels returns h unchanged
+and `head.loss(h, labels)` does step 2; in eval mode forward returns logits and
+`head.loss(logits, labels)` is the exact soft-target cross-entropy.
+
+Memory per class (fp32, H = in_features, L = tables): weights and bias 4 (H + 1) bytes;
+LazyAdam 8 (H + 1) + 16 bytes (moments, per-row step counts of W and b); tables 20 L
+bytes (codes, sorted keys, ids); 9 bytes of per-step scratch (the class -> active
+position map and the active mask). At H = 128, L = 8: 516 + 1048 + 160 + 9, about 1.7 KB.
+Per step: A (H + 1) floats of gathered rows and B A of logits, A the active set's size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from myelin.errors import ConfigError
+from myelin.nn.config import INFERENCE, LSHConfig
+from myelin.nn.hashing import Hasher
+from myelin.nn.tables import LSHTables, active_set
+
+__all__ = ["LSHSoftmax", "soft_target_loss", "sparse_rows"]
+
+
+class LSHSoftmax(nn.Module):
+    """Linear layer to `num_classes` logits trained on an LSH-chosen active set."""
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        config: LSHConfig | None = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__()
+        if config is not None and settings:
+            raise ConfigError(f"give config= or settings ({', '.join(settings)}), not both")
+        if config is None:
+            try:
+                config = LSHConfig(**settings)
+            except TypeError as exc:
+                raise ConfigError(f"LSHSoftmax: {exc} (see myelin.nn.LSHConfig)") from None
+        if not isinstance(config, LSHConfig):
+            raise ConfigError(f"config={config!r} must be a myelin.nn.LSHConfig")
+        config.check_layer(in_features, num_classes)
+        self.config, self.in_features, self.num_classes = config, in_features, num_classes
+        self.weight = nn.Parameter(torch.empty(num_classes, in_features))
+        self.bias = nn.Parameter(torch.zeros(num_classes))
+        g = torch.Generator().manual_seed(config.seed)
+        bound = 1 / math.sqrt(in_features)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound, generator=g)
+        self.hasher = Hasher(
+            config.family, in_features, config.bits, config.tables, config.bin_size, config.seed
+        )
+        self.tables = LSHTables(self.hasher, num_classes, config.bucket_cap, config.seed)
+        self._gen = torch.Generator().manual_seed(config.seed + 2)
+        # saved with the weights: the floor's and probes' generator, training steps so far
+        self.register_buffer("rng_state", self._gen.get_state())
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.active = torch.zeros(0, dtype=torch.long)
+        # what happened in this process (not saved): rehashes, probes, last probe, set size
+        self.stats = {"rebuilds": 0, "checks": 0, "last_change": 0.0, "last_active": 0}
+        self.rebuild()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, "
+            f"family={c.family!r}, bits={c.bits}, tables={c.tables}"
+        )
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        """Rehash every class into the tables (after the weights were changed by hand)."""
+        self.tables.build(self.weight)
+        self.stats["rebuilds"] += 1
+
+    # -- training ------------------------------------------------------------------
+
+    def forward(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None, *, inference: str | None = None
+    ) -> torch.Tensor:
+        """Training with labels: the active-set loss. Training without labels: h itself,
+        for `loss_fn=self.loss`. Eval: logits (B, num_classes), exact or LSH-only."""
+        if not self.training:
+            return self.logits(h, inference)
+        if labels is None:
+            return h
+        return self.loss(h, labels)
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Training: the active-set softmax loss of hidden `output` (B, in_features).
+        Eval: the exact soft-target cross-entropy of logits `output` (B, num_classes)."""
+        labels = _as_label_matrix(labels, output.shape[0], self.num_classes)
+        if not self.training:
+            return soft_target_loss(output, labels)
+        self._maybe_rebuild()
+        c = self.config
+        retrieved, row = self.tables.query(self.hasher(output.detach()))
+        if c.min_hits > 1:  # keep (row, class) pairs that enough of the row's tables return
+            pair, hits = torch.unique(row * self.num_classes + retrieved, return_counts=True)
+            retrieved = pair[hits >= c.min_hits] % self.num_classes
+        active = active_set(
+            self.num_classes, labels, retrieved, c.min_active, c.max_active, self._gen
+        )
+        self.stats["last_active"] = active.numel()
+        self.active = active  # the last training batch's active classes, for inspection
+        where = torch.full((self.num_classes,), -1, dtype=torch.long, device=active.device)
+        where[active] = torch.arange(active.numel(), device=active.device)
+        w, b = sparse_rows(active, self.weight, self.bias)
+        logits = torch.addmm(b, output, w.t())  # (B, A)
+        pos = torch.where(labels >= 0, where[labels.clamp(min=0)], labels)
+        return soft_target_loss(logits, pos)
+
+    def _maybe_rebuild(self) -> None:
+        """Count a training step; probe the weights' movement every check_every steps and
+        rehash everything when it passed the threshold."""
+        self.steps += 1
+        c = self.config
+        if int(self.steps) % c.check_every:
+            return
+        n = min(c.probe_rows, self.num_classes)
+        probe = torch.randperm(self.num_classes, generator=self._gen)[:n]
+        change = self.tables.changed_fraction(self.weight, probe.to(self.weight.device))
+        self.stats["checks"] += 1
+        self.stats["last_change"] = change
+        if change >= c.rebuild_threshold:
+            self.rebuild()
+
+    # -- inference -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor, inference: str | None = None) -> torch.Tensor:
+        """(B, num_classes) logits: all of them ("exact"), or only each row's retrieved
+        classes with -inf elsewhere ("lsh")."""
+        mode = self.config.inference if inference is None else inference
+        if mode not in INFERENCE:
+            raise ConfigError(f"inference={mode!r} must be one of {INFERENCE}")
+        if mode == "exact":
+            return F.linear(h, self.weight, self.bias)
+        ids, row = self.tables.query(self.hasher(h))
+        active = torch.unique(ids)
+        where = torch.full((self.num_classes,), -1, dtype=torch.long, device=h.device)
+        where[active] = torch.arange(active.numel(), device=h.device)
+        part = torch.addmm(self.bias[active], h, self.weight[active].t())  # (B, A)
+        mine = torch.zeros_like(part, dtype=torch.bool)
+        mine[row, where[ids]] = True
+        out = torch.full((h.shape[0], self.num_classes), -math.inf, device=h.device)
+        out[:, active] = part.masked_fill(~mine, -math.inf)
+        return out
+
+    @torch.no_grad()
+    def predict(self, h: torch.Tensor, k: int = 1, inference: str | None = None) -> torch.Tensor:
+        """(B, k) the top-k classes of each row (a row with fewer LSH candidates than k
+        gets arbitrary ids for the rest, with -inf logits)."""
+        return torch.topk(self.logits(h, inference), k, dim=1).indices
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self.rng_state.copy_(self._gen.get_state())
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._gen.set_state(self.rng_state.cpu())
+
+
+def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum over a row's labels (column ids, -1 padding) of log softmax
+    / the row's label count: SLIDE's multi-label target 1/|Y|. Rows without labels add 0."""
+    logp = torch.log_softmax(logits.float(), dim=1)
+    valid = labels >= 0
+    picked = logp.gather(1, labels.clamp(min=0)) * valid
+    count = valid.sum(1).clamp(min=1)
+    return -(picked.sum(1) / count).mean()
+
+
+def _as_label_matrix(labels: Any, rows: int, num_classes: int) -> torch.Tensor:
+    """Labels as (B, M) int64 with -1 padding; a (B,) vector is one label per row."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point:
+        raise ConfigError(f"labels must be an integer tensor, got {type(labels).__name__}")
+    labels = labels.long()
+    if labels.dim() == 1:
+        labels = labels[:, None]
+    if labels.dim() != 2 or labels.shape[0] != rows:
+        raise ConfigError(
+            f"labels of shape {tuple(labels.shape)} must be (B,) or (B, M) with B={rows}"
+        )
+    if labels.numel() and int(labels.max()) >= num_classes:
+        raise ConfigError(f"labels hold {int(labels.max())}, but num_classes={num_classes}")
+    return labels
+
+
+def sparse_rows(
+    active: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight[active], bias[active] whose backward gives weight and bias sparse gradients
+    holding only the rows `active` (sorted, unique); for LazyAdam or SparseAdam."""
+    return _SparseRows.apply(active, weight, bias)
+
+
+class _SparseRows(torch.autograd.Function):
+    """W[active], b[active], with sparse gradients: only the active rows get one."""
+
+    @staticmethod
+    def forward(ctx: Any, active: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> Any:
+        ctx.save_for_backward(active)
+        ctx.shapes = (weight.shape, bias.shape)
+        return weight[active], bias[active]
+
+    @staticmethod
+    def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
+        (active,) = ctx.saved_tensors
+        w_shape, b_shape = ctx.shapes
+        idx = active[None, :]
+        gw = torch.sparse_coo_tensor(
+            idx, grad_w, w_shape, is_coalesced=True, check_invariants=False
+        )
+        gb = torch.sparse_coo_tensor(
+            idx, grad_b, b_shape, is_coalesced=True, check_invariants=False
+        )
+        return None, gw, gb

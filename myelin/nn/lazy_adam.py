@@ -1,0 +1,92 @@
+"""Adam that updates only the rows a sparse gradient touched, each row on its own clock.
+
+    optimizer = LazyAdam(model.parameters(), lr=1e-3)   # dense and sparse gradients alike
+
+A wide layer whose batch touches a few thousand of its 10^5-10^6 rows should pay for
+those rows only. For a sparse gradient (torch.sparse_coo, as `LSHSoftmax` and
+`nn.Embedding(sparse=True)` produce) the moments and the weights of the touched rows are
+updated and every other row is left exactly as it was; each row counts its own steps, so
+a row after its n-th update equals dense `torch.optim.Adam` run n times on that row with
+the same gradients (the bias correction uses the row's count, not the global one). A
+dense gradient is the case where every row is touched, so one code path serves both.
+State per row of a (rows, d) parameter: 2 d floats of moments and one int64 step count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from myelin.errors import ConfigError
+
+__all__ = ["LazyAdam"]
+
+
+class LazyAdam(torch.optim.Optimizer):
+    """Row-wise lazy Adam (no weight decay); see the module docstring."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        if not (isinstance(lr, (int, float)) and lr > 0):
+            raise ConfigError(f"lr={lr!r} must be a number > 0")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
+        if not (isinstance(eps, (int, float)) and eps > 0):
+            raise ConfigError(f"eps={eps!r} must be a number > 0")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Update every parameter that has a gradient, only on the rows it touched."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        lr, eps = group["lr"], group["eps"]
+        beta1, beta2 = group["betas"]
+        rows_of = p.view(1, -1) if p.dim() == 0 else p.view(p.shape[0], -1)  # (R, d)
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(rows_of)
+            state["exp_avg_sq"] = torch.zeros_like(rows_of)
+            state["step"] = torch.zeros(rows_of.shape[0], dtype=torch.long, device=p.device)
+        grad = p.grad
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            rows = grad.indices()[0]
+            g = grad.values().reshape(rows.numel(), -1)
+        else:
+            rows = None
+            g = grad.reshape(rows_of.shape)
+        m_all, v_all, steps = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        m = m_all if rows is None else m_all[rows]
+        v = v_all if rows is None else v_all[rows]
+        if rows is None:
+            steps += 1
+            t = steps
+        else:
+            t = steps[rows] + 1
+            steps[rows] = t
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        t64 = t.double()[:, None]
+        step_size = (lr / (1 - beta1**t64)).to(p.dtype)
+        bc2_sqrt = (1 - beta2**t64).sqrt().to(p.dtype)
+        update = m / (v.sqrt() / bc2_sqrt + eps) * step_size
+        if rows is None:
+            rows_of.sub_(update)
+        else:
+            m_all[rows] = m
+            v_all[rows] = v
+            rows_of.index_add_(0, rows, update, alpha=-1)

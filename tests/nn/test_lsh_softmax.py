@@ -1,0 +1,227 @@
+"""LSHSoftmax against dense PyTorch: gradients, retrieval, inference, rebuilds, checkpoints."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from myelin import ConfigError
+from myelin.nn import LazyAdam, LSHConfig, LSHSoftmax, soft_target_loss
+
+H, C = 16, 300
+
+
+def _labels(b: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(C, (b, 3), generator=g)
+    labels[0, 1:] = -1  # rows with 1, 2 and 3 labels
+    labels[1, 2] = -1
+    return labels
+
+
+def test_active_set_gradients_equal_autograd_on_the_dense_layer_restricted_to_it():
+    torch.manual_seed(0)
+    head = LSHSoftmax(H, C, bits=4, tables=3, min_active=40)
+    h = torch.relu(torch.randn(6, H)).requires_grad_(True)
+    labels = _labels(6)
+    loss = head(h, labels)
+    loss.backward()
+    active = head.active
+    assert 40 <= active.numel() < C  # the set is a real subset here
+
+    w = head.weight.detach().clone().requires_grad_(True)
+    b = head.bias.detach().clone().requires_grad_(True)
+    h2 = h.detach().clone().requires_grad_(True)
+    logits = (h2 @ w.t() + b)[:, active]
+    pos = torch.searchsorted(active, labels.clamp(min=0))
+    ref = soft_target_loss(logits, torch.where(labels >= 0, pos, labels))
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-6)
+    assert head.weight.grad.is_sparse and head.bias.grad.is_sparse
+    gw = head.weight.grad.to_dense()
+    assert torch.allclose(gw, w.grad, atol=1e-6)
+    assert torch.allclose(head.bias.grad.to_dense(), b.grad, atol=1e-6)
+    assert torch.allclose(h.grad, h2.grad, atol=1e-6)
+    untouched = torch.ones(C, dtype=torch.bool)
+    untouched[active] = False
+    assert gw[untouched].abs().sum() == 0
+    # by hand, SLIDE's delta: the bias gradient is (p - 1/|Y| on labels) / B over the batch
+    delta = (torch.softmax(logits.detach(), 1) - _soft(labels, pos, active.numel())) / 6
+    assert torch.allclose(head.bias.grad.to_dense()[active], delta.sum(0), atol=1e-6)
+
+
+def _soft(labels: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:
+    out = torch.zeros(labels.shape[0], width)
+    for i in range(labels.shape[0]):
+        mine = pos[i][labels[i] >= 0]
+        out[i, mine] += 1 / len(mine)
+    return out
+
+
+def test_lazy_adam_equals_dense_adam_on_each_row_it_touched():
+    torch.manual_seed(1)
+    w0 = torch.randn(20, 5)
+    lazy = nn.Parameter(w0.clone())
+    opt = LazyAdam([lazy], lr=0.05, betas=(0.8, 0.95), eps=1e-6)
+    rows_ref = [nn.Parameter(w0[r].clone()) for r in range(20)]
+    ref = [torch.optim.Adam([p], lr=0.05, betas=(0.8, 0.95), eps=1e-6) for p in rows_ref]
+    for step in range(6):
+        rows = torch.randperm(20)[: 4 + step].sort().values  # a different set each step
+        grad = torch.randn(rows.numel(), 5)
+        lazy.grad = torch.sparse_coo_tensor(rows[None], grad, (20, 5), check_invariants=True)
+        opt.step()
+        for r, g in zip(rows.tolist(), grad, strict=True):
+            rows_ref[r].grad = g.clone()
+            ref[r].step()
+    expected = torch.stack([p.detach() for p in rows_ref])
+    assert torch.allclose(lazy.detach(), expected, atol=1e-6)
+    never = [r for r in range(20) if not ref[r].state]
+    for r in never:
+        assert torch.equal(lazy.detach()[r], w0[r])  # untouched rows did not move at all
+    # a dense gradient is every row touched: equal to torch's Adam
+    dense, dense_ref = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    o1, o2 = LazyAdam([dense], lr=0.01), torch.optim.Adam([dense_ref], lr=0.01)
+    for _ in range(3):
+        g = torch.randn(20, 5)
+        dense.grad, dense_ref.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+    assert torch.allclose(dense.detach(), dense_ref.detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["simhash", "dwta"])
+def test_a_class_whose_weight_equals_the_query_is_retrieved_by_every_table(family):
+    torch.manual_seed(2)
+    head = LSHSoftmax(H, C, family=family, bits=5, tables=4, bucket_cap=C, min_active=0, min_hits=4)
+    queries = torch.relu(torch.randn(5, H))
+    targets = torch.tensor([3, 77, 150, 151, 299])
+    with torch.no_grad():
+        head.weight[targets] = queries
+    head.rebuild()
+    ids, row = head.tables.query(head.hasher(queries))
+    for i, t in enumerate(targets.tolist()):
+        assert int(((ids == t) & (row == i)).sum()) == head.config.tables
+    # and it is in the active set without being a label, with no floor, when every table
+    # must return a class (min_hits=tables)
+    head(queries, torch.full((5, 1), -1)).backward()
+    assert set(targets.tolist()) <= set(head.active.tolist())
+    assert head.active.numel() < C
+
+
+def test_labels_are_always_active_even_past_max_active():
+    head = LSHSoftmax(H, C, bits=2, tables=4, min_active=0, max_active=5)
+    h = torch.relu(torch.randn(8, H))
+    labels = _labels(8, seed=3)
+    head(h, labels).backward()
+    active = set(head.active.tolist())
+    assert set(labels[labels >= 0].tolist()) <= active
+    assert len(active) <= 5 + int((labels >= 0).sum())
+
+
+def test_exact_inference_equals_a_dense_layer_and_lsh_inference_is_its_restriction():
+    head = LSHSoftmax(H, C, bits=4, tables=3)
+    dense = nn.Linear(H, C)
+    dense.load_state_dict({"weight": head.weight.detach(), "bias": head.bias.detach()})
+    h = torch.randn(7, H)
+    head.eval()
+    assert torch.equal(head(h), dense(h).detach())
+    lsh = head(h, inference="lsh")
+    ids, row = head.tables.query(head.hasher(h))
+    finite = torch.isfinite(lsh)
+    assert finite.sum() == len(set(zip(row.tolist(), ids.tolist(), strict=True)))
+    assert torch.allclose(lsh[finite], dense(h).detach()[finite], atol=1e-5)
+    assert head.predict(h).shape == (7, 1)
+    # in eval mode, loss() is the exact soft-target loss of the logits
+    labels = _labels(7)
+    assert torch.allclose(head.loss(head(h), labels), soft_target_loss(dense(h), labels))
+
+
+def test_rebuild_follows_weight_movement_not_the_clock():
+    head = LSHSoftmax(H, C, bits=6, tables=4, check_every=1, rebuild_threshold=0.05)
+    h, labels = torch.relu(torch.randn(4, H)), _labels(4)
+    for _ in range(10):  # the weights do not move: probes, no rebuild
+        head(h, labels)
+    assert head.stats["checks"] == 10 and head.stats["rebuilds"] == 1
+    with torch.no_grad():
+        head.weight.add_(torch.randn_like(head.weight))
+    head(h, labels)
+    assert head.stats["rebuilds"] == 2 and head.stats["last_change"] > 0.05
+    assert torch.equal(head.tables.codes, head.hasher(head.weight))
+
+
+def _train(head: LSHSoftmax, opt: LazyAdam, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        h = torch.relu(torch.randn(8, H, generator=g))
+        labels = torch.randint(C, (8, 2), generator=g)
+        opt.zero_grad()
+        head(h, labels).backward()
+        opt.step()
+
+
+def test_checkpoint_resume_restores_layer_optimizer_state_and_tables():
+    def fresh() -> tuple[LSHSoftmax, LazyAdam]:
+        head = LSHSoftmax(H, C, bits=3, tables=4, check_every=2, rebuild_threshold=0.01)
+        return head, LazyAdam(head.parameters(), lr=0.05)
+
+    head, opt = fresh()
+    _train(head, opt, 6, seed=0)
+    buf = io.BytesIO()
+    torch.save({"layer": head.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(head, opt, 6, seed=1)
+    assert head.stats["rebuilds"] > 2  # tables were rebuilt along the way
+
+    other, other_opt = fresh()
+    _train(other, other_opt, 1, seed=5)  # different state before loading
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    other.load_state_dict(state["layer"])
+    other_opt.load_state_dict(state["opt"])
+    _train(other, other_opt, 6, seed=1)
+    for name, value in head.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, other.state_dict()[name]), name
+    assert torch.equal(head.active, other.active)
+    assert int(head.steps) == int(other.steps) == 12
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"bits": 0}, "bits"),
+        ({"bits": 31}, "bits"),
+        ({"tables": 0}, "tables"),
+        ({"family": "minhash"}, "family"),
+        ({"family": "dwta", "bits": 11, "bin_size": 8}, "bits"),
+        ({"family": "dwta", "bin_size": 32}, "bin_size"),
+        ({"bucket_cap": 0}, "bucket_cap"),
+        ({"min_active": -1}, "min_active"),
+        ({"max_active": 0}, "max_active"),
+        ({"min_hits": 17, "tables": 16}, "min_hits"),
+        ({"rebuild_threshold": 0.0}, "rebuild_threshold"),
+        ({"check_every": 0}, "check_every"),
+        ({"inference": "approx"}, "inference"),
+        ({"tables": 2.5}, "tables"),
+        ({"tabels": 4}, "tabels"),
+    ],
+)
+def test_bad_settings_are_rejected_naming_the_field(settings, field):
+    with pytest.raises(ConfigError, match=field):
+        LSHSoftmax(H, C, **settings)
+
+
+def test_bad_sizes_and_labels_are_rejected():
+    with pytest.raises(ConfigError, match="num_classes"):
+        LSHSoftmax(H, 1)
+    with pytest.raises(ConfigError, match="in_features"):
+        LSHSoftmax(0, C)
+    with pytest.raises(ConfigError, match="config"):
+        LSHSoftmax(H, C, config=LSHConfig(), bits=3)
+    head = LSHSoftmax(H, C)
+    with pytest.raises(ConfigError, match="num_classes=300"):
+        head(torch.randn(2, H), torch.tensor([1, C]))
+    with pytest.raises(ConfigError, match="inference"):
+        head.eval()(torch.randn(2, H), inference="fast")

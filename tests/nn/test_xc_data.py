@@ -1,0 +1,67 @@
+"""The synthetic extreme-classification generator: deterministic, power-law, correlated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from myelin import ConfigError
+from myelin.nn import XCConfig, make_xc
+
+SMALL = XCConfig(num_labels=2_000, num_features=1_000, train_rows=3_000, test_rows=500, topics=50)
+
+
+def test_the_same_seed_gives_the_same_data_and_another_seed_other_data():
+    a, b, c = make_xc(SMALL, seed=1), make_xc(SMALL, seed=1), make_xc(SMALL, seed=2)
+    for name in ("features", "weights", "rows", "labels", "label_rows"):
+        assert torch.equal(getattr(a.train, name), getattr(b.train, name))
+    assert a.ceilings == b.ceilings
+    assert not torch.equal(a.train.labels[:100], c.train.labels[:100])
+
+
+def test_labels_follow_a_power_law_over_unsorted_ids_and_co_occur_within_topics():
+    data = make_xc(SMALL, seed=0)
+    counts = torch.bincount(data.train.labels, minlength=SMALL.num_labels).float()
+    top = counts.sort(descending=True).values
+    assert top[0] > 20 * top[200].clamp(min=1)  # a head and a long tail
+    assert int(counts.argmax()) != 0  # ids are not sorted by frequency
+    # rows with several labels: their labels share a topic, and so prototype features
+    rows = data.train.label_rows
+    multi = rows.diff() > 1
+    assert multi.float().mean() > 0.2
+    start = rows[:-1][multi]
+    first, second = data.train.labels[start], data.train.labels[start + 1]
+    assert torch.equal(data.topic[first], data.topic[second])
+    proto = data.prototypes
+    share = (proto[first][:, :, None] == proto[second][:, None, :]).any(2).any(1)
+    other = second.roll(1)  # the same labels, paired at random
+    chance = (proto[first][:, :, None] == proto[other][:, None, :]).any(2).any(1)
+    assert share.float().mean() > 5 * chance.float().mean()
+
+
+def test_batches_are_sparse_bags_normalised_with_padded_labels():
+    data = make_xc(SMALL, seed=0)
+    b = next(data.train.batches(16, seed=3))
+    assert b.labels.shape[0] == 16 and (b.labels[:, 0] >= 0).all()
+    ends = torch.cat([b.offsets[1:], torch.tensor([b.features.numel()])])
+    norms = torch.zeros(16).index_add_(
+        0, torch.repeat_interleave(torch.arange(16), ends - b.offsets), b.weights**2
+    )
+    assert torch.allclose(norms, torch.ones(16), atol=1e-5)
+    assert 0.5 < data.ceilings["seen_label"] <= 1 and 0.5 < data.ceilings["oracle_p1"] <= 1
+    assert sum(len(x) for x in data.test.batches(128)) == 500
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"num_labels": 0}, "num_labels"),
+        ({"num_labels": 10, "topics": 50}, "topics"),
+        ({"keep": 0.0}, "keep"),
+        ({"alpha": -1.0}, "alpha"),
+        ({"own_features": 0, "topic_features": 0}, "own_features"),
+    ],
+)
+def test_bad_shapes_are_rejected_naming_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        XCConfig(**kw)
