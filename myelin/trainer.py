@@ -40,20 +40,14 @@ from myelin.partition import split
 from myelin.placement import (
     check_every_stage_trains,
     layer_modules,
-    parameter_names,
-    place_stage,
     stage_device,
-    stage_modules,
 )
-from myelin.precision import compute_dtype
 from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
 from myelin.replicas import Context, choose
-from myelin.reshard import stage_keys
 from myelin.runtime.bounded import Waits
-from myelin.runtime.clip import GlobalNorm, norm_slots
 from myelin.runtime.group import (
     Layout,
     World,
@@ -68,6 +62,7 @@ from myelin.runtime.rng import LayerStreams
 from myelin.runtime.schedule import make_policy
 from myelin.runtime.stage import Stage
 from myelin.runtime.transport import Transport, TransportConfig
+from myelin.stage_setup import prepare_stage
 
 __all__ = ["PipelineConfig", "Trainer", "split_batch"]
 
@@ -202,32 +197,22 @@ class Trainer:
 
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
         cfg, world = self.config, self.world
-        stages = stage_modules(model, cfg)
-        self._state_layout = checkpoint.state_layout(model, stages)
-        self.stage_layers = [stage_keys(m).layers for m in stages]  # what checkpoints move
-        local_names = parameter_names(model, cfg, world.stage)
-        clip = None
-        if self.max_grad_norm is not None:
-            slots, total = norm_slots(stages, world.stage)
-            clip = GlobalNorm(
-                self.max_grad_norm, slots, total, counts=world.replica == 0, device=world.device
-            )
-        full = pretrained.full_names(model, stages[world.stage]) if self._weights else None
-        self.module, tied = place_stage(model, cfg, world)
-        if full is not None:
-            pretrained.load(self.module, full, self._weights)
-        if self._compile_layer is not None:
-            compiled.compile_stage(self.module, self._compile_layer)
-        dtype = compute_dtype(self.precision)
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        names = [local_names[n] for n, p in self.module.named_parameters() if p.requires_grad]
-        # Masters start from the fp32 weights, not from their half-precision rounding.
-        initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
-        self.module.to(dtype)
+        prepared = prepare_stage(
+            model,
+            cfg,
+            world,
+            precision=self.precision,
+            max_grad_norm=self.max_grad_norm,
+            weights=self._weights,
+            compile_layer=self._compile_layer,
+        )
+        self.module, self._state_layout = prepared.module, prepared.state_layout
+        self.stage_layers = prepared.stage_layers  # what checkpoints move between layouts
+        tied, clip, dtype = prepared.tied, prepared.clip, prepared.dtype
         self._memory = memory = build_memory(
             self.module,
             optimizer,
-            initial,
+            prepared.initial,
             offload=self.offload,
             precision=self.precision,
             device_memory_limit=self.device_memory_limit,
@@ -236,7 +221,7 @@ class Trainer:
             stage=world.stage,
             world_size=world.layout.world_size,
             same_host=world.same_host,
-            names=names,
+            names=prepared.names,
             clip=clip,
         )
         self.pool, self.budget, self.updater = memory.pool, memory.budget, memory.updater
@@ -359,20 +344,8 @@ class Trainer:
         into `microbatches`; or pass lists of per-microbatch inputs and targets, whose
         shapes may differ. Only stage 0 reads inputs and only the last stage targets.
         """
-        self._check_usable()
-        m = self.config.microbatches
-        mb_inputs = split_batch(inputs, m, "inputs")
-        mb_targets = split_batch(targets, m, "targets")
-        self._failures.enter(f"training step {self.steps_done + 1}")
-        rows = uneven_rows(targets if targets is not None else inputs, m)
-        try:
-            loss = self.loop.run_step(self.seq, mb_inputs, mb_targets, rows)
-        except BaseException as exc:
-            error = self._failures.fail(exc, f"training step {self.steps_done}")
-            if error is exc:
-                raise
-            raise error from exc
-        self.seq += 1
+        entered, failed = f"training step {self.steps_done + 1}", f"training step {self.steps_done}"
+        loss = self._run_batch(inputs, targets, self.loop.run_step, entered, failed)
         self.steps_done += 1
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
@@ -383,24 +356,34 @@ class Trainer:
         Takes the same inputs as `step`; the model is in eval mode meanwhile.
         """
         self._check_usable()
+        entered = f"evaluation step {self.seq - self.steps_done + 1}"
+        self.module.eval()
+        try:
+            with self.model_view():
+                run = self.loop.run_eval
+                loss = self._run_batch(inputs, targets, run, entered, f"evaluation step {self.seq}")
+        finally:
+            self.module.train()
+        self._failures.leave(self.steps_done, self.seq - self.steps_done)
+        return loss
+
+    def _run_batch(self, inputs: Any, targets: Any, run: Callable, entered: str, failed: str):
+        """Split a batch into microbatches and `run` it through the loop; a failure is named
+        (`failed`: where) and told to the peers."""
+        self._check_usable()
         m = self.config.microbatches
         mb_inputs = split_batch(inputs, m, "inputs")
         mb_targets = split_batch(targets, m, "targets")
         rows = uneven_rows(targets if targets is not None else inputs, m)
-        self.module.eval()
-        self._failures.enter(f"evaluation step {self.seq - self.steps_done + 1}")
+        self._failures.enter(entered)
         try:
-            with self.model_view():
-                loss = self.loop.run_eval(self.seq, mb_inputs, mb_targets, rows)
+            loss = run(self.seq, mb_inputs, mb_targets, rows)
         except BaseException as exc:
-            error = self._failures.fail(exc, f"evaluation step {self.seq}")
+            error = self._failures.fail(exc, failed)
             if error is exc:
                 raise
             raise error from exc
-        finally:
-            self.module.train()
         self.seq += 1
-        self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
 
     # The loop over data loaders is fit.py's; these are its functions, so their signatures

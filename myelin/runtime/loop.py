@@ -10,9 +10,8 @@ One step of training on one rank:
 5. when every backward of the step has run here, let the replicas agree (average
    gradients across data-parallel replicas), step the optimizer, and return the loss.
 
-Evaluation is the same drive loop under the forward-only policy. Arrived messages are
-sorted by `inbox.py`, outputs sent by `outbox.py`, replicas agree through a strategy of
-`myelin/replicas/`.
+Evaluation is the same drive loop under the forward-only policy. `inbox.py` sorts arrived
+messages, `outbox.py` sends outputs, replicas agree through a `myelin/replicas/` strategy.
 """
 
 from __future__ import annotations
@@ -256,8 +255,7 @@ class EventLoop:
         m = self.config.microbatches
         if self.stage.shares:
             return self.stage.step_loss([losses[i] for i in range(m)])
-        if not rows:
-            return sum(losses[i] for i in range(m)) / m
+        rows = rows or dict.fromkeys(range(m), 1)  # x * 1 and the count are exact
         return sum(losses[i] * rows[i] for i in range(m)) / sum(rows[i] for i in range(m))
 
     # -- operations ----------------------------------------------------------

@@ -1,0 +1,69 @@
+"""What one rank makes of the user's model before training: its stage cut out, loaded,
+compiled and placed, its parameters' names in the whole model, the fp32 values its masters
+start from, and the global-norm clip that spans every stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from myelin import checkpoint, compiled, pretrained
+from myelin.config import PipelineConfig
+from myelin.placement import Tied, parameter_names, place_stage, stage_modules
+from myelin.precision import compute_dtype
+from myelin.reshard import stage_keys
+from myelin.runtime.clip import GlobalNorm, norm_slots
+from myelin.runtime.group import World
+
+__all__ = ["PreparedStage", "prepare_stage"]
+
+
+@dataclass(slots=True)
+class PreparedStage:
+    module: nn.Module  # this rank's stage, on its device, in the compute dtype
+    tied: list[Tied]  # parameters this stage shares with other stages
+    state_layout: Any  # the whole model's state_dict keys by stage (checkpoint.state_layout)
+    stage_layers: list[Any]  # each stage's layers, which checkpoints move between layouts
+    names: list[str]  # the trainable parameters' names in the whole model
+    initial: list[torch.Tensor] | None  # fp32 starting values of half-precision masters
+    clip: GlobalNorm | None
+    dtype: torch.dtype
+
+
+def prepare_stage(
+    model: Any,
+    cfg: PipelineConfig,
+    world: World,
+    *,
+    precision: str,
+    max_grad_norm: float | None,
+    weights: Any,
+    compile_layer: Any,
+) -> PreparedStage:
+    """Cut, load (`weights`: a save_pretrained folder), compile and place this rank's stage."""
+    stages = stage_modules(model, cfg)
+    state_layout = checkpoint.state_layout(model, stages)
+    local_names = parameter_names(model, cfg, world.stage)
+    clip = None
+    if max_grad_norm is not None:
+        slots, total = norm_slots(stages, world.stage)
+        clip = GlobalNorm(
+            max_grad_norm, slots, total, counts=world.replica == 0, device=world.device
+        )
+    full = pretrained.full_names(model, stages[world.stage]) if weights else None
+    module, tied = place_stage(model, cfg, world)
+    if full is not None:
+        pretrained.load(module, full, weights)
+    if compile_layer is not None:
+        compiled.compile_stage(module, compile_layer)
+    dtype = compute_dtype(precision)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    names = [local_names[n] for n, p in module.named_parameters() if p.requires_grad]
+    # Masters start from the fp32 weights, not from their half-precision rounding.
+    initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
+    module.to(dtype)
+    layers = [stage_keys(m).layers for m in stages]
+    return PreparedStage(module, tied, state_layout, layers, names, initial, clip, dtype)
