@@ -1,0 +1,164 @@
+"""Adaptive Hogbatch's batch-size rule, as pure functions (OURS: the paper publishes none).
+
+Ma and Rusu's Adaptive Hogbatch changes the device batch "with the relative speed" of the
+workers, "at the expense of a customizable decrease in utilization"; no formula is public
+(shared/algorithms/hogbatch.md, 2.2). This is myelin's rule:
+
+1. Each worker's time per update is modelled as  t(b) = o + b / s  (o: per-update overhead
+   with the model pull and push; s: samples per second at full efficiency), fitted by
+   least squares over a sliding window of (batch, seconds) pairs (`fit_update_time`).
+2. The device's efficiency at batch b is  eta(b) = b / (b + o_d * s_d)  (`efficiency`);
+   the utilization budget eps asks eta >= 1 - eps, so b >= o_d * s_d * (1 - eps) / eps
+   (`budget_floor`). eps -> 0 gives the largest batch: fixed CPU+GPU Hogbatch.
+3. The target ratio rho = device updates / CPU updates is met when 1 / t_d(b) = rho * U_c
+   (U_c: the CPU workers' updates per second together): b = s_d * (1 / (rho * U_c) - o_d)
+   (`ratio_batch`).
+4. The device batch is max(ratio batch, budget floor), clamped to [lo, hi], and moves at
+   most 2x (or 1/2x) from the current one per adjustment (`choose_device_batch`).
+
+`Controller` keeps the fit windows and applies the rule after every device batch; its
+state goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "Controller",
+    "budget_floor",
+    "choose_device_batch",
+    "efficiency",
+    "fit_update_time",
+    "ratio_batch",
+]
+
+
+def fit_update_time(batches: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (overhead o in s, throughput s in samples/s) of t = o + b / s.
+
+    With one distinct batch size (a CPU worker) the line is not identifiable: all the time
+    is put on throughput (o = 0), which still predicts t at that batch exactly."""
+    if len(batches) != len(seconds) or not batches:
+        raise ValueError(f"need equal, non-empty samples (got {len(batches)}, {len(seconds)})")
+    n = len(batches)
+    mb, mt = sum(batches) / n, sum(seconds) / n
+    var = sum((b - mb) ** 2 for b in batches)
+    if var <= 1e-12 * max(mb * mb, 1.0):
+        return 0.0, mb / max(mt, 1e-12)
+    slope = sum((b - mb) * (t - mt) for b, t in zip(batches, seconds)) / var
+    overhead = max(mt - slope * mb, 0.0)
+    if slope <= 0:  # time does not grow with the batch: all overhead, throughput unbounded
+        return mt, math.inf
+    return overhead, 1.0 / slope
+
+
+def efficiency(batch: float, overhead: float, throughput: float) -> float:
+    """The device's share of time spent on samples at this batch: b / (b + o * s)."""
+    if math.isinf(throughput):
+        return 0.0 if overhead > 0 else 1.0
+    return batch / (batch + overhead * throughput)
+
+
+def budget_floor(overhead: float, throughput: float, budget: float) -> float:
+    """The smallest batch whose efficiency is at least 1 - budget (inf when budget is 0)."""
+    if budget <= 0:
+        return math.inf
+    if budget >= 1:
+        return 0.0
+    return overhead * throughput * (1.0 - budget) / budget
+
+
+def ratio_batch(overhead: float, throughput: float, cpu_rate: float, ratio: float) -> float:
+    """The device batch at which device updates / CPU updates = ratio (<= 0: not reachable,
+    the device is too slow even at batch 0; inf: no CPU updates to balance)."""
+    if cpu_rate <= 0:
+        return math.inf
+    return throughput * (1.0 / (ratio * cpu_rate) - overhead)
+
+
+def choose_device_batch(
+    current: int,
+    overhead: float,
+    throughput: float,
+    cpu_rate: float,
+    *,
+    ratio: float,
+    budget: float,
+    lo: int,
+    hi: int,
+) -> int:
+    """The next device batch: max(ratio batch, budget floor) in [lo, hi], within 2x of current."""
+    want = max(
+        ratio_batch(overhead, throughput, cpu_rate, ratio),
+        budget_floor(overhead, throughput, budget),
+    )
+    want = min(max(want, lo), hi)
+    want = min(max(want, current / 2), current * 2)
+    return int(min(max(round(want), lo), hi))
+
+
+class Controller:
+    """The adaptive rule run over measured batches: fit windows per worker, one device batch.
+
+    `observe` after each finished batch; `device_batch` is the batch to hand out next. The
+    first two device batches probe hi and hi/2 (so the line is identifiable); budget 0 or
+    adaptive off keep hi throughout (fixed CPU+GPU Hogbatch)."""
+
+    def __init__(
+        self, *, lo: int, hi: int, ratio: float, budget: float, adaptive: bool, window: int = 16
+    ) -> None:
+        self.lo, self.hi, self.ratio, self.budget = lo, hi, ratio, budget
+        self.adaptive = adaptive and budget > 0
+        self.window = window
+        self.batch = hi
+        self.samples: dict[int, deque] = {}  # worker -> deque of (batch, seconds)
+        self.device_seen = 0
+        self.trace: list[int] = [hi]  # device batch after each adjustment
+
+    def observe(self, worker: int, batch: int, seconds: float, device: bool) -> None:
+        """Record one finished batch; after a device batch, re-choose the device batch."""
+        win = self.samples.setdefault(worker, deque(maxlen=self.window))
+        win.append((float(batch), float(seconds)))
+        if not device or not self.adaptive:
+            return
+        self.device_seen += 1
+        if self.device_seen == 1:
+            self.batch = max(self.lo, self.hi // 2)  # the probe
+        else:
+            o, s = fit_update_time(*zip(*win))
+            self.batch = choose_device_batch(
+                self.batch, o, s, self.cpu_rate(worker), ratio=self.ratio,
+                budget=self.budget, lo=self.lo, hi=self.hi,
+            )  # fmt: skip
+        self.trace.append(self.batch)
+
+    def cpu_rate(self, device_worker: int) -> float:
+        """Updates per second of all other (CPU) workers together, from their windows."""
+        rate = 0.0
+        for w, win in self.samples.items():
+            if w != device_worker and win:
+                rate += len(win) / sum(t for _, t in win)
+        return rate
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint: the windows, the device batch, the trace."""
+        return {
+            "batch": self.batch,
+            "device_seen": self.device_seen,
+            "samples": {w: list(win) for w, win in self.samples.items()},
+            "trace": list(self.trace),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict`'s output."""
+        self.batch = int(state["batch"])
+        self.device_seen = int(state["device_seen"])
+        self.samples = {
+            int(w): deque([tuple(p) for p in win], maxlen=self.window)
+            for w, win in state["samples"].items()
+        }
+        self.trace = list(state["trace"])
