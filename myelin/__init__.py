@@ -20,6 +20,7 @@ from myelin.partition import StageModule, balance, layers_of, split
 from myelin.replicas.allreduce import AllReduce
 from myelin.replicas.daso import DASO
 from myelin.replicas.easgd import EASGD
+from myelin.replicas.hogbatch import Hogbatch
 from myelin.runtime.messages import Message, MessageLimits
 from myelin.runtime.schedule import SCHEDULES, Action
 from myelin.runtime.transport import TransportConfig
@@ -32,6 +33,7 @@ __all__ = [
     "AllReduce",
     "DASO",
     "EASGD",
+    "Hogbatch",
     "Callback",
     "ConfigError",
     "DeadlineError",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedModel", "flat_grads"]
+__all__ = ["SharedModel", "flat_grads", "load_flat"]
 
 
 class SharedModel:
@@ -79,12 +79,16 @@ class SharedModel:
 
     def load_into(self, params: list[torch.Tensor], flat: torch.Tensor | None = None) -> None:
         """Write `flat` (default: the shared weights) into `params`, e.g. the user's model."""
-        flat = self.snapshot() if flat is None else flat
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.data.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        load_flat(params, self.snapshot() if flat is None else flat)
+
+
+def load_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of `flat` into `params` (in order)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
 
 
 def flat_grads(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,168 @@
+"""CPU+GPU Hogbatch and Adaptive Hogbatch (Ma and Rusu, arXiv 2004.08771): the settings.
+
+    result = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(64, 4096)).fit(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), loss_fn, (x, y), epochs=5)
+
+One device worker (large batches) and N CPU worker processes (tiny batches) train one fp32
+model kept in host shared memory: each pulls the weights, computes the gradient of its own
+batch and *adds* its step in place (never writes its model back over the shared one, as the
+reference code does), without locks unless `lock=True`. With `adaptive`, the device batch
+follows myelin's own rule (hogbatch_rule.py; the paper publishes none) so that device
+updates / CPU updates approach `ratio`, never below the batch that keeps the device's
+efficiency within `budget` (budget 0 = fixed Hogbatch). The strategy decides every batch
+size; `fit` walks the dataset so each sample is used once per epoch. The runner is
+hogbatch_run.py; `Trainer(sync=...)` does not take Hogbatch yet (README: departures).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from myelin.errors import ConfigError
+
+__all__ = ["Hogbatch", "LOSS_POLICIES", "check_optimizer"]
+
+LOSS_POLICIES = ("raise", "reassign")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hogbatch:
+    """Hogbatch's settings, field by field:
+
+    cpu_workers: CPU worker processes (0: the device alone); cpu_threads: torch threads each;
+    cpu_batch: samples per CPU update; device: the device worker's torch device ("cpu"
+    emulates one); device_batch: (lo, hi) samples per device update (fixed mode uses hi);
+    adaptive: move the device batch by the rule; budget: utilization the device may give up,
+    in [0, 1] (0: fixed); ratio: target device updates / CPU updates (> 0); max_staleness:
+    a step made on weights more than this many updates old is scaled by bound / staleness
+    (None: never); lock: serialise pulls and adds (replayable runs); on_worker_loss: "raise"
+    (PeerLostError) or "reassign" (its range goes to the others); timeout_s: the longest any
+    wait lasts (a worker's start or batch); emulate: declared (seconds per update, seconds
+    per sample) of (device, CPU) workers, each update padded to at least that long (None:
+    real speed); record: a directory where each worker writes every update it made (replay).
+    """
+
+    cpu_workers: int = 2
+    cpu_threads: int = 1
+    cpu_batch: int = 4
+    device: str = "cpu"
+    device_batch: tuple[int, int] = (64, 4096)
+    adaptive: bool = True
+    budget: float = 0.3
+    ratio: float = 1.0
+    max_staleness: int | None = None
+    lock: bool = False
+    on_worker_loss: str = "raise"
+    timeout_s: float = 120.0
+    seed: int = 0
+    emulate: tuple[tuple[float, float], tuple[float, float]] | None = None
+    record: str | None = None
+
+    name = "hogbatch"
+
+    def __post_init__(self) -> None:
+        for field in ("cpu_workers", "cpu_threads", "cpu_batch", "seed"):
+            v = getattr(self, field)
+            low = 0 if field in ("cpu_workers", "seed") else 1
+            if type(v) is not int or v < low:
+                raise ConfigError(f"Hogbatch({field}={v!r}): must be an int >= {low}")
+        lo_hi = self.device_batch
+        if (
+            not isinstance(lo_hi, tuple)
+            or len(lo_hi) != 2
+            or not all(type(b) is int for b in lo_hi)
+            or not 1 <= lo_hi[0] <= lo_hi[1]
+        ):
+            raise ConfigError(
+                f"Hogbatch(device_batch={lo_hi!r}): must be a tuple (lo, hi) of ints, 1 <= lo <= hi"
+            )
+        if not _number(self.budget) or not 0 <= self.budget <= 1:
+            raise ConfigError(f"Hogbatch(budget={self.budget!r}): must be a number in [0, 1]")
+        if not _number(self.ratio) or self.ratio <= 0:
+            raise ConfigError(f"Hogbatch(ratio={self.ratio!r}): must be a number > 0")
+        if self.max_staleness is not None and (
+            type(self.max_staleness) is not int or self.max_staleness < 1
+        ):
+            raise ConfigError(
+                f"Hogbatch(max_staleness={self.max_staleness!r}): must be None or an int >= 1"
+            )
+        if self.on_worker_loss not in LOSS_POLICIES:
+            raise ConfigError(
+                f"Hogbatch(on_worker_loss={self.on_worker_loss!r}): must be one of "
+                f"{list(LOSS_POLICIES)}"
+            )
+        if not _number(self.timeout_s) or self.timeout_s <= 0:
+            raise ConfigError(f"Hogbatch(timeout_s={self.timeout_s!r}): must be a number > 0")
+        if self.emulate is not None and not _costs(self.emulate):
+            raise ConfigError(
+                f"Hogbatch(emulate={self.emulate!r}): must be None or ((s per update, s per "
+                f"sample) of the device, the same of a CPU worker), numbers >= 0"
+            )
+        dev = torch.device(self.device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"Hogbatch(device={self.device!r}): must be 'cpu' or 'cuda[:i]'")
+
+    def fit(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Any,
+        data: tuple[torch.Tensor, torch.Tensor],
+        *,
+        epochs: int = 1,
+        eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        resume: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Train `model` on `data` (inputs, targets) for `epochs`; the run's report.
+
+        The model ends holding the shared weights; the report has the loss on `eval_data`
+        (default: `data`) after each epoch, computed on a copy off the training path, the
+        update share, staleness and busy fraction per worker and the device batch over time,
+        and `state` (weights and controller) that `resume=` continues from."""
+        from myelin.replicas.hogbatch_run import run  # the runner imports these settings
+
+        lr, wd = check_optimizer(optimizer)
+        if type(epochs) is not int or epochs < 1:
+            raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
+        if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:
+            raise ConfigError("Hogbatch.fit(data=...): must be (inputs, targets) of equal length")
+        return run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
+                   eval_data=eval_data, resume=resume)  # fmt: skip
+
+
+def check_optimizer(optimizer: Any) -> tuple[float, float]:
+    """(lr, weight decay) of a plain SGD optimizer; anything else is a ConfigError saying why."""
+    why = (
+        "Hogbatch's workers add steps to one shared model without locks, so only stateless "
+        "plain SGD (with weight decay) is sound: optimizer state (momentum, Adam's moments) "
+        "would be updated by every worker at once"
+    )
+    if type(optimizer) is not torch.optim.SGD:
+        raise ConfigError(f"{why}; got {type(optimizer).__name__}. Use torch.optim.SGD(lr=...)")
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"{why}; use one parameter group (got {len(optimizer.param_groups)})")
+    g = optimizer.param_groups[0]
+    for key, plain in (("momentum", 0), ("nesterov", False), ("maximize", False)):
+        if g.get(key, plain) != plain:
+            raise ConfigError(f"{why}; got SGD({key}={g[key]!r})")
+    lr = g["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr)
+    return float(lr), float(g.get("weight_decay", 0.0))
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _costs(emulate: Any) -> bool:
+    try:
+        return len(emulate) == 2 and all(
+            len(c) == 2 and all(_number(x) and x >= 0 for x in c) for c in emulate
+        )
+    except TypeError:
+        return False

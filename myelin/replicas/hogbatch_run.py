@@ -1,0 +1,283 @@
+"""Hogbatch's runner: start the workers, hand out ranges, watch them, report, clean up.
+
+Order of events: the model's trainable parameters become one shared fp32 segment
+(hogbatch_store); worker 0 (the device) and workers 1..N (CPU) are spawned with it and the
+dataset (shared memory too; their environment loses the rendezvous variables, as the hub's
+does); each says `ready`. Then, until every epoch is done: every idle worker gets a range
+(the device's batch from the adaptive rule, a CPU worker's `cpu_batch`), each `done`
+feeds the rule and the counters, and each completed epoch's weights are copied and
+evaluated in a thread, off the training path. A worker that dies is a PeerLostError or has
+its range reassigned (`on_worker_loss`); a worker silent past `timeout_s` is a
+DeadlineError. Whatever happens, every worker is stopped, then killed, before returning.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing as mp
+
+from myelin.errors import DeadlineError, MyelinError, PeerLostError
+from myelin.replicas.hogbatch_dispatch import Dispatcher, Range
+from myelin.replicas.hogbatch_rule import Controller
+from myelin.replicas.hogbatch_store import SharedModel, load_flat
+from myelin.replicas.hogbatch_worker import main as worker_main
+from myelin.replicas.hogbatch_worker import pack, unpack
+
+if TYPE_CHECKING:
+    from myelin.replicas.hogbatch import Hogbatch
+
+__all__ = ["run"]
+
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def run(
+    cfg: Hogbatch,
+    model: torch.nn.Module,
+    loss_fn: Any,
+    data: tuple[torch.Tensor, torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    epochs: int,
+    eval_data: tuple[torch.Tensor, torch.Tensor] | None,
+    resume: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Train with Hogbatch's workers (see the module docstring); the report."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    workers = 1 + cfg.cpu_workers
+    ctx = mp.get_context("spawn")
+    store = SharedModel.create(params, workers, ctx.Lock() if cfg.lock else None)
+    ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
+                     budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
+    first_epoch = 0
+    if resume is not None:
+        store.weights.copy_(resume["weights"])
+        ctl.load_state_dict(resume["controller"])
+        first_epoch = int(resume["epoch"])
+    x, y = (t.detach().cpu().contiguous().share_memory_() for t in data)
+    host_model = copy.deepcopy(model).cpu()
+    job = {"model": host_model, "loss_fn": loss_fn, "lr": lr, "weight_decay": weight_decay,
+           "device": cfg.device, "threads": cfg.cpu_threads, "seed": cfg.seed,
+           "data_seed": cfg.seed, "timeout_s": cfg.timeout_s, "record": cfg.record,
+           "max_staleness": cfg.max_staleness,
+           "emulate": cfg.emulate or (None, None)}  # fmt: skip
+    run = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
+    evaluator = _Evaluator(host_model, loss_fn, eval_data or (x, y), params_of(host_model))
+    try:
+        run.start(ctx, job, (x, y))
+        run.drive(evaluator)
+        run.stop()
+    finally:
+        run.kill()
+        evaluator.close()
+    store.load_into(params)
+    report = run.report()
+    report["evals"] = evaluator.results()
+    report["state"] = {"weights": store.snapshot(), "controller": ctl.state_dict(),
+                       "epoch": first_epoch + epochs}  # fmt: skip
+    return report
+
+
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The trainable parameters, in the order the shared segment holds them."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class _Evaluator:
+    """The loss of a copy of the weights, in a thread, so training never waits for it."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Any, data: tuple, params: list) -> None:
+        self.model, self.loss_fn, self.data, self.params = model, loss_fn, data, params
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hogbatch-eval")
+        self.futures: list[tuple[int, float, Any]] = []
+
+    def submit(self, epoch: int, wall_s: float, weights: torch.Tensor) -> None:
+        """Evaluate `weights` (a private copy) as of `wall_s` seconds into training."""
+        self.futures.append((epoch, wall_s, self.pool.submit(self._loss, weights)))
+
+    def _loss(self, weights: torch.Tensor) -> float:
+        load_flat(self.params, weights)
+        with torch.no_grad():
+            total, n = 0.0, self.data[0].shape[0]
+            for i in range(0, n, 8192):
+                xb, yb = self.data[0][i : i + 8192], self.data[1][i : i + 8192]
+                total += float(self.loss_fn(self.model(xb), yb)) * xb.shape[0]
+        return total / n
+
+    def results(self) -> list[dict[str, float]]:
+        """Each epoch's loss, in epoch order: epoch, wall seconds at the copy, loss."""
+        return [{"epoch": e, "wall_s": w, "loss": f.result()} for e, w, f in self.futures]
+
+    def close(self) -> None:
+        """Finish what was submitted and end the thread."""
+        self.pool.shutdown(wait=True)
+
+
+class _Run:
+    """The workers of one run and what they have done."""
+
+    def __init__(self, cfg: Hogbatch, ctl: Controller, store: SharedModel, disp: Dispatcher):
+        self.cfg, self.ctl, self.store, self.disp = cfg, ctl, store, disp
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.alive: set[int] = set()
+        self.busy: dict[int, tuple[Range, float]] = {}  # worker -> (range, sent at)
+        n = 1 + cfg.cpu_workers
+        self.stats = [{"updates": 0, "samples": 0, "busy_s": 0.0, "tau": []} for _ in range(n)]
+        self.batches: list[tuple[float, int]] = []  # (wall s, device batch) when it changed
+        self.t0 = time.perf_counter()
+        self.wall_s = 0.0
+
+    def start(self, ctx: Any, job: dict[str, Any], data: tuple) -> None:
+        """Spawn the workers (environment without rendezvous variables); wait for ready."""
+        saved = {k: os.environ.pop(k) for k in _RENDEZVOUS if k in os.environ}
+        try:
+            for w in range(1 + self.cfg.cpu_workers):
+                parent, child = ctx.Pipe()
+                name = "hogbatch-device" if w == 0 else f"hogbatch-cpu{w}"
+                p = ctx.Process(target=worker_main, name=name, daemon=True,
+                                args=(child, w, job, self.store.handles(), data))  # fmt: skip
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+        finally:
+            os.environ.update(saved)
+        deadline = time.monotonic() + self.cfg.timeout_s
+        for w, conn in enumerate(self.conns):
+            left = deadline - time.monotonic()
+            ready = wait([conn, self.procs[w].sentinel], timeout=max(left, 0))
+            if conn not in ready:
+                if ready:
+                    raise PeerLostError(w, "starting", f"Hogbatch worker {w} died while starting")
+                raise DeadlineError(f"Hogbatch worker {w} not ready after {self.cfg.timeout_s}s")
+            self._check(w, unpack(conn.recv_bytes()), "ready")
+            self.alive.add(w)
+        self.t0 = time.perf_counter()
+
+    def drive(self, evaluator: _Evaluator) -> None:
+        """Hand out ranges until every epoch is done; evaluate each completed epoch."""
+        self.batches.append((0.0, self.ctl.batch))
+        self._assign()
+        while not self.disp.all_done():
+            watch = [self.conns[w] for w in self.alive] + [
+                self.procs[w].sentinel for w in self.alive
+            ]
+            ready = wait(watch, timeout=self.cfg.timeout_s)
+            if not ready:
+                late = {w: str(r) for w, (r, _) in self.busy.items()}
+                raise DeadlineError(
+                    f"Hogbatch: no worker answered for {self.cfg.timeout_s}s; busy: {late}"
+                )
+            for w in sorted(self.alive):
+                conn = self.conns[w]
+                if conn in ready or conn.poll():
+                    self._done(w, unpack(conn.recv_bytes()), evaluator)
+                elif self.procs[w].sentinel in ready:
+                    self._lost(w)
+            self._assign()
+        self.wall_s = time.perf_counter() - self.t0
+
+    def _assign(self) -> None:
+        for w in sorted(self.alive - set(self.busy)):
+            batch = self.ctl.batch if w == 0 else self.cfg.cpu_batch
+            r = self.disp.take(w, batch)
+            if r is None:
+                continue
+            self.conns[w].send_bytes(pack({"op": "train", **r._asdict()}))
+            self.busy[w] = (r, time.perf_counter())
+        if not self.busy and not self.disp.all_done():
+            raise PeerLostError(-1, "training", "Hogbatch: no worker is left to train")
+
+    def _done(self, w: int, msg: dict[str, Any], evaluator: _Evaluator) -> None:
+        self._check(w, msg, "done")
+        r, _ = self.busy.pop(w)
+        st = self.stats[w]
+        st["updates"] += 1
+        st["samples"] += r.count
+        st["busy_s"] += msg["seconds"]
+        st["tau"].append(msg["tau"])
+        before = self.ctl.batch
+        self.ctl.observe(w, r.count, msg["seconds"], device=w == 0)
+        if self.ctl.batch != before:
+            self.batches.append((time.perf_counter() - self.t0, self.ctl.batch))
+        if self.disp.done(w, r):
+            evaluator.submit(r.epoch, time.perf_counter() - self.t0, self.store.snapshot())
+
+    def _check(self, w: int, msg: dict[str, Any], want: str) -> None:
+        if msg["op"] == "error":
+            raise MyelinError(f"Hogbatch worker {w} failed:\n{msg.get('detail', '')}")
+        if msg["op"] != want:
+            raise MyelinError(f"Hogbatch worker {w}: expected {want!r}, got {msg['op']!r}")
+
+    def _lost(self, w: int) -> None:
+        code = self.procs[w].exitcode
+        self.alive.discard(w)
+        r = self.busy.pop(w, (None, 0))[0]
+        if self.cfg.on_worker_loss == "raise":
+            raise PeerLostError(
+                w, f"training {r}", f"Hogbatch worker {w} died (exit code {code}) training {r}"
+            )
+        self.disp.lose(w)
+
+    def stop(self) -> None:
+        """Ask every live worker to stop (it writes its record first) and wait for it."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        for w in sorted(self.alive):
+            self.conns[w].send_bytes(pack({"op": "stop"}))
+        for w in sorted(self.alive):
+            if wait([self.conns[w], self.procs[w].sentinel], deadline - time.monotonic()):
+                if self.conns[w].poll():
+                    self._check(w, unpack(self.conns[w].recv_bytes()), "stopped")
+            self.procs[w].join(max(deadline - time.monotonic(), 0))
+
+    def kill(self) -> None:
+        """Kill whatever still runs and close the pipes (safe after stop)."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+        for c in self.conns:
+            c.close()
+
+    def report(self) -> dict[str, Any]:
+        """Update share, staleness (median, p99), busy fraction per worker; the batch trace."""
+        total = sum(s["updates"] for s in self.stats) or 1
+        wall = self.wall_s or (time.perf_counter() - self.t0)
+        workers = []
+        for w, s in enumerate(self.stats):
+            tau = sorted(s["tau"])
+            workers.append({
+                "worker": "device" if w == 0 else f"cpu{w}",
+                "updates": s["updates"],
+                "samples": s["samples"],
+                "share": s["updates"] / total,
+                "tau_median": statistics.median(tau) if tau else 0,
+                "tau_p99": tau[min(len(tau) - 1, int(0.99 * len(tau)))] if tau else 0,
+                "busy": s["busy_s"] / wall if wall > 0 else 0.0,
+            })  # fmt: skip
+        dev = self.stats[0]["updates"]
+        cpu = total - dev if total > dev else 0
+        return {
+            "wall_s": wall,
+            "workers": workers,
+            "ratio": dev / cpu if cpu else float("inf"),
+            "device_batch": self.batches,
+            "settings": {
+                "adaptive": self.cfg.adaptive,
+                "budget": self.cfg.budget,
+                "ratio": self.cfg.ratio,
+                "lock": self.cfg.lock,
+            },  # fmt: skip
+        }

@@ -1,0 +1,138 @@
+"""One Hogbatch worker process: pull the shared weights, train one range, add the update.
+
+The runner (hogbatch_run.py) spawns one device worker and N CPU workers with this module's
+`main`. Each waits for an assignment on its pipe (msgpack maps, never pickles):
+
+    train   epoch, start, count   positions of the epoch's permutation (hogbatch_dispatch)
+    stop                          leave
+
+and for each: pull the shared weights into its own parameters (recording the version),
+compute the mean loss gradient on the samples, form the SGD step g + wd * w (as
+torch.optim.SGD does), optionally wait out a declared emulated cost, then add -lr * step
+to the shared weights in place and answer `done` (seconds, staleness, loss). A worker
+whose parent stops talking for `timeout_s` or whose pipe closes leaves on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+import msgpack
+import torch
+
+from myelin.replicas.hogbatch_dispatch import Dispatcher
+from myelin.replicas.hogbatch_store import SharedModel, flat_grads
+
+__all__ = ["main", "pack", "unpack"]
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    """A control message's bytes (msgpack)."""
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    """A control message from bytes; anything but a map is an error."""
+    msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise ValueError(f"bad hogbatch control message: {msg!r:.200}")
+    return msg
+
+
+def main(conn: Any, index: int, job: dict[str, Any], shared: tuple, data: tuple) -> None:
+    """The worker's life: set up, then serve assignments until stop, EOF or silence."""
+    try:
+        worker = _Worker(index, job, shared, data)
+        conn.send_bytes(pack({"op": "ready", "pid": os.getpid()}))
+        while True:
+            if not conn.poll(job["timeout_s"]):
+                return  # the runner went silent: it is gone or stuck; never wait forever
+            msg = unpack(conn.recv_bytes())
+            if msg["op"] == "stop":
+                worker.save_record()
+                conn.send_bytes(pack({"op": "stopped"}))
+                return
+            conn.send_bytes(pack(worker.train(msg["epoch"], msg["start"], msg["count"])))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return
+    except BaseException:
+        try:
+            conn.send_bytes(pack({"op": "error", "detail": traceback.format_exc()[-4000:]}))
+        except Exception:  # noqa: S110 (the pipe is gone: the runner sees the exit)
+            pass
+
+
+class _Worker:
+    """The worker's model, data and shared state, and one training range at a time."""
+
+    def __init__(self, index: int, job: dict[str, Any], shared: tuple, data: tuple) -> None:
+        torch.set_num_threads(job["threads"])
+        torch.manual_seed(job["seed"] * 7919 + index)
+        self.index, self.job = index, job
+        self.device = torch.device(job["device"] if index == 0 else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.store = SharedModel(*shared)
+        self.model = job["model"].to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.x, self.y = data
+        self.loss_fn = job["loss_fn"]
+        self.step = torch.empty_like(self.store.weights)  # host fp32, private
+        self.pulled = torch.empty_like(self.store.weights)
+        self.perms = Dispatcher(self.x.shape[0], 1, job["data_seed"])
+        self.perm_cache: dict[int, torch.Tensor] = {}
+        self.cost = job["emulate"][0 if index == 0 else 1]  # (per update s, per sample s)
+        self.record: list[dict[str, Any]] = []
+
+    def train(self, epoch: int, start: int, count: int) -> dict[str, Any]:
+        """Train on one range and add the update; the `done` message."""
+        t0 = time.perf_counter()
+        if epoch not in self.perm_cache:
+            self.perm_cache = {epoch: self.perms.permutation(epoch)}
+        idx = self.perm_cache[epoch][start : start + count]
+        x = self.x[idx].to(self.device, non_blocking=True)
+        y = self.y[idx].to(self.device, non_blocking=True)
+        v_read = self.store.pull(self.params)
+        for p in self.params:
+            p.grad = None
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        flat_grads(self.params, self.step)  # device -> host copy on a GPU (synchronises)
+        wd = self.job["weight_decay"]
+        if wd:
+            self.store_pulled()
+            self.step.add_(self.pulled, alpha=wd)
+        if self.cost is not None:  # emulated speed: the update takes at least this long
+            left = self.cost[0] + self.cost[1] * count - (time.perf_counter() - t0)
+            if left > 0:
+                time.sleep(left)
+        lr = self.job["lr"]
+        tau = self.store.version() - v_read
+        bound = self.job["max_staleness"]
+        if bound is not None and tau > bound:
+            lr *= bound / tau  # the hard guard: a very stale step counts for less
+        v_add = self.store.add(self.step, lr, self.index)
+        if self.job["record"]:
+            step = self.step.clone()
+            rng = (epoch, start, count)
+            self.record.append({"version": v_add, "read": v_read, "lr": lr, "range": rng,
+                                "step": step})  # fmt: skip
+        tau = v_add - v_read
+        return {"op": "done", "seconds": time.perf_counter() - t0, "tau": tau,
+                "loss": float(loss.detach())}  # fmt: skip
+
+    def store_pulled(self) -> None:
+        """The weights this step was computed on, flat on the host (for weight decay)."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.pulled[offset : offset + n].copy_(p.detach().reshape(-1))
+            offset += n
+
+    def save_record(self) -> None:
+        """Write every update this worker made (for replay and tests), if asked."""
+        if self.job["record"]:
+            torch.save(self.record, os.path.join(self.job["record"], f"worker{self.index}.pt"))
