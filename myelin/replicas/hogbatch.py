@@ -102,8 +102,11 @@ class Hogbatch:
                 f"Hogbatch(emulate={self.emulate!r}): must be None or ((s per update, s per "
                 f"sample) of the device, the same of a CPU worker), numbers >= 0"
             )
-        dev = torch.device(self.device)
-        if dev.type not in ("cpu", "cuda"):
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
             raise ConfigError(f"Hogbatch(device={self.device!r}): must be 'cpu' or 'cuda[:i]'")
 
     def fit(
@@ -116,13 +119,16 @@ class Hogbatch:
         epochs: int = 1,
         eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
         resume: dict[str, Any] | None = None,
+        on_epoch: Any = None,
     ) -> dict[str, Any]:
         """Train `model` on `data` (inputs, targets) for `epochs`; the run's report.
 
         The model ends holding the shared weights; the report has the loss on `eval_data`
         (default: `data`) after each epoch, computed on a copy off the training path, the
         update share, staleness and busy fraction per worker and the device batch over time,
-        and `state` (weights and controller) that `resume=` continues from."""
+        and `state` (weights and controller) that `resume=` continues from. `on_epoch(epoch,
+        wall_s)` is called in the runner as each epoch completes (progress, tests). Workers
+        are spawned: a script calling this needs `if __name__ == "__main__":`."""
         from myelin.replicas.hogbatch_run import run  # the runner imports these settings
 
         lr, wd = check_optimizer(optimizer)
@@ -131,7 +137,7 @@ class Hogbatch:
         if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:
             raise ConfigError("Hogbatch.fit(data=...): must be (inputs, targets) of equal length")
         return run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
-                   eval_data=eval_data, resume=resume)  # fmt: skip
+                   eval_data=eval_data, resume=resume, on_epoch=on_epoch)  # fmt: skip
 
 
 def check_optimizer(optimizer: Any) -> tuple[float, float]:

@@ -51,6 +51,7 @@ def run(
     epochs: int,
     eval_data: tuple[torch.Tensor, torch.Tensor] | None,
     resume: dict[str, Any] | None,
+    on_epoch: Any = None,
 ) -> dict[str, Any]:
     """Train with Hogbatch's workers (see the module docstring); the report."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -75,7 +76,7 @@ def run(
     evaluator = _Evaluator(host_model, loss_fn, eval_data or (x, y), params_of(host_model))
     try:
         run.start(ctx, job, (x, y))
-        run.drive(evaluator)
+        run.drive(evaluator, on_epoch)
         run.stop()
     finally:
         run.kill()
@@ -137,6 +138,7 @@ class _Run:
         self.batches: list[tuple[float, int]] = []  # (wall s, device batch) when it changed
         self.t0 = time.perf_counter()
         self.wall_s = 0.0
+        self.completed = 0  # epochs reported to on_epoch
 
     def start(self, ctx: Any, job: dict[str, Any], data: tuple) -> None:
         """Spawn the workers (environment without rendezvous variables); wait for ready."""
@@ -161,11 +163,16 @@ class _Run:
                 if ready:
                     raise PeerLostError(w, "starting", f"Hogbatch worker {w} died while starting")
                 raise DeadlineError(f"Hogbatch worker {w} not ready after {self.cfg.timeout_s}s")
-            self._check(w, unpack(conn.recv_bytes()), "ready")
+            try:
+                self._check(w, unpack(conn.recv_bytes()), "ready")
+            except EOFError:
+                raise PeerLostError(
+                    w, "starting", f"Hogbatch worker {w} died while starting"
+                ) from None
             self.alive.add(w)
         self.t0 = time.perf_counter()
 
-    def drive(self, evaluator: _Evaluator) -> None:
+    def drive(self, evaluator: _Evaluator, on_epoch: Any = None) -> None:
         """Hand out ranges until every epoch is done; evaluate each completed epoch."""
         self.batches.append((0.0, self.ctl.batch))
         self._assign()
@@ -181,11 +188,22 @@ class _Run:
                 )
             for w in sorted(self.alive):
                 conn = self.conns[w]
-                if conn in ready or conn.poll():
-                    self._done(w, unpack(conn.recv_bytes()), evaluator)
-                elif self.procs[w].sentinel in ready:
-                    self._lost(w)
+                try:
+                    if conn in ready or conn.poll():
+                        self._done(w, unpack(conn.recv_bytes()), evaluator)
+                        continue
+                except (EOFError, ConnectionResetError):
+                    pass  # its pipe closed: it died (the sentinel says so too)
+                else:
+                    if self.procs[w].sentinel not in ready:
+                        continue
+                self.procs[w].join(5)
+                self._lost(w)
             self._assign()
+            while self.completed < len(self.disp.completed):
+                if on_epoch is not None:
+                    on_epoch(self.disp.completed[self.completed], time.perf_counter() - self.t0)
+                self.completed += 1
         self.wall_s = time.perf_counter() - self.t0
 
     def _assign(self) -> None:

@@ -1,0 +1,161 @@
+"""Hogbatch's runner with real worker processes (myelin/replicas/hogbatch_run.py).
+
+    python -m pytest -q tests/replicas/test_hogbatch_run.py            # ~1 min on 2 loaded cores
+    python -m pytest -q -m slow tests/replicas/test_hogbatch_run.py    # + lock-free, faults
+
+Each run spawns its workers (starting them is most of the time); every wait in the runner
+has `timeout_s`, and every test bounds its own run too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import myelin
+from myelin.errors import ConfigError, PeerLostError
+from myelin.replicas.hogbatch_dispatch import Dispatcher
+
+
+def problem(n=512, d=8, seed=0):
+    """A noisy linear regression: the model, the data and the least-squares optimum."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = x @ torch.randn(d, generator=g) + 0.5 + 0.01 * torch.randn(n, generator=g)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(d, 1), torch.nn.Flatten(0))
+    design = torch.cat([x, torch.ones(n, 1)], 1).double()
+    best = torch.linalg.lstsq(design, y.double().unsqueeze(1)).solution.squeeze(1)
+    return model, (x, y), best
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load_records(path: Path):
+    recs = []
+    for f in sorted(path.glob("worker*.pt")):
+        w = int(f.stem[len("worker") :])
+        recs += [{**r, "worker": w} for r in torch.load(f)]
+    return sorted(recs, key=lambda r: r["version"])
+
+
+@pytest.mark.parametrize(
+    "opt, words",
+    [
+        (lambda p: torch.optim.Adam(p), "Adam"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "momentum=0.9"),
+    ],
+)
+def test_stateful_optimizers_are_refused_with_the_reason(opt, words):
+    model, data, _ = problem()
+    with pytest.raises(ConfigError, match=words) as e:
+        myelin.Hogbatch().fit(model, opt(model.parameters()), torch.nn.MSELoss(), data)
+    assert "shared model without locks" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"budget": 1.5}, "budget"),
+        ({"ratio": 0}, "ratio"),
+        ({"device_batch": (64, 8)}, "device_batch"),
+        ({"cpu_batch": 0}, "cpu_batch"),
+        ({"on_worker_loss": "ignore"}, "on_worker_loss"),
+        ({"max_staleness": 0}, "max_staleness"),
+        ({"emulate": (1.0, 2.0)}, "emulate"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_bad_settings_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=rf"Hogbatch\({field}="):
+        myelin.Hogbatch(**kw)
+
+
+def test_lock_with_one_worker_is_plain_sgd_bit_for_bit(tmp_path):
+    model, data, _ = problem()
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    ref.load_state_dict(model.state_dict())
+    cfg = myelin.Hogbatch(cpu_workers=0, device_batch=(24, 48), lock=True, record=str(tmp_path),
+                          budget=0.5, timeout_s=100)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.01)
+    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=2)
+    recs = load_records(tmp_path)
+    assert [r["version"] for r in recs] == list(range(len(recs)))
+    # the same batches, in the same order, through torch.optim.SGD
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05, weight_decay=0.01)
+    perms = Dispatcher(len(data[0]), 2, cfg.seed)
+    seen = {0: 0, 1: 0}
+    for r in recs:
+        epoch, start, count = r["range"]
+        idx = perms.permutation(epoch)[start : start + count]
+        sgd.zero_grad()
+        torch.nn.MSELoss()(ref(data[0][idx]), data[1][idx]).backward()
+        sgd.step()
+        seen[epoch] += count
+    assert seen == {0: 512, 1: 512}
+    assert torch.equal(flat(model), flat(ref))
+    assert rep["workers"][0]["share"] == 1.0 and len(rep["evals"]) == 2
+
+
+def test_slow_device_plus_cpu_updates_is_w0_minus_the_sum_of_all_steps(tmp_path):
+    """An overwrite (the reference code's model copy-back) would lose the CPU steps."""
+    model, data, _ = problem()
+    w0 = flat(model).clone()
+    cfg = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(128, 128), lock=True,
+                          record=str(tmp_path), emulate=((0.4, 0.0), (0.01, 0.0)),
+                          timeout_s=100)  # fmt: skip
+    rep = cfg.fit(model, torch.optim.SGD(model.parameters(), lr=0.02), torch.nn.MSELoss(), data)
+    recs = load_records(tmp_path)
+    assert [r["version"] for r in recs] == list(range(len(recs)))
+    w = w0.clone()
+    for r in recs:
+        w.add_(r["step"], alpha=-r["lr"])
+    assert torch.equal(flat(model), w)
+    dev = [r for r in recs if r["worker"] == 0]
+    assert dev and all(r["version"] - r["read"] > 0 for r in dev)  # CPU steps landed meanwhile
+    assert sum(r["range"][2] for r in recs) == 512  # each sample once
+    shares = [x["updates"] for x in rep["workers"]]
+    assert sum(shares) == len(recs) and shares[0] == len(dev)
+    assert rep["workers"][0]["tau_median"] > 0
+
+
+def _kill(name: str, killed: dict) -> None:
+    (proc,) = [p for p in multiprocessing.active_children() if p.name == name]
+    os.kill(proc.pid, signal.SIGKILL)
+    killed["at"] = time.monotonic()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["reassign", "raise"])
+def test_lock_free_run_reaches_the_optimum_and_survives_a_dead_cpu_worker(policy):
+    model, data, best = problem(n=2048)
+    cfg = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(32, 256), adaptive=True,
+                          budget=0.5, on_worker_loss=policy, timeout_s=100,
+                          emulate=((0.02, 0.0001), (0.002, 0.0005)))  # fmt: skip
+    killed: dict = {}
+
+    def on_epoch(epoch, wall_s):  # SIGKILL CPU worker 1 when epoch 2 is complete
+        if epoch == 2:
+            _kill("hogbatch-cpu1", killed)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if policy == "raise":
+        with pytest.raises(PeerLostError, match="worker 1 died") as e:
+            cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=40, on_epoch=on_epoch)
+        assert e.value.rank == 1 and time.monotonic() - killed["at"] < 10
+        return
+    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=40, on_epoch=on_epoch)
+    assert "at" in killed
+    got = flat(model).double()
+    assert torch.isfinite(got).all()
+    assert (got - best).norm() / best.norm() < 0.01
+    assert rep["workers"][1]["updates"] > 0 and rep["workers"][2]["updates"] > 0
+    assert abs(sum(x["share"] for x in rep["workers"]) - 1) < 1e-9
