@@ -39,7 +39,10 @@ class Hogbatch:
     adaptive: move the device batch by the rule; budget: utilization the device may give up,
     in [0, 1] (0: fixed); ratio: target device updates / CPU updates (> 0); max_staleness:
     a step made on weights more than this many updates old is scaled by bound / staleness
-    (None: never); lock: serialise pulls and adds (replayable runs); on_worker_loss: "raise"
+    (None: never); cpu_lr_scale: the CPU workers' lr is the optimizer's times this (1: the
+    same step size per update for every worker, as the reference code; a tiny CPU batch's
+    noisy step may want less, e.g. sqrt(cpu_batch / device batch)); lock: serialise pulls
+    and adds (replayable runs); on_worker_loss: "raise"
     (PeerLostError) or "reassign" (its range goes to the others); timeout_s: the longest any
     wait lasts (a worker's start or batch); emulate: declared (seconds per update, seconds
     per sample) of (device, CPU) workers, each update padded to at least that long (None:
@@ -55,6 +58,7 @@ class Hogbatch:
     budget: float = 0.3
     ratio: float = 1.0
     max_staleness: int | None = None
+    cpu_lr_scale: float = 1.0
     lock: bool = False
     on_worker_loss: str = "raise"
     timeout_s: float = 120.0
@@ -84,6 +88,8 @@ class Hogbatch:
             raise ConfigError(f"Hogbatch(budget={self.budget!r}): must be a number in [0, 1]")
         if not _number(self.ratio) or self.ratio <= 0:
             raise ConfigError(f"Hogbatch(ratio={self.ratio!r}): must be a number > 0")
+        if not _number(self.cpu_lr_scale) or self.cpu_lr_scale <= 0:
+            raise ConfigError(f"Hogbatch(cpu_lr_scale={self.cpu_lr_scale!r}): must be a number > 0")
         if self.max_staleness is not None and (
             type(self.max_staleness) is not int or self.max_staleness < 1
         ):

@@ -70,7 +70,7 @@ def run(
     job = {"model": host_model, "loss_fn": loss_fn, "lr": lr, "weight_decay": weight_decay,
            "device": cfg.device, "threads": cfg.cpu_threads, "seed": cfg.seed,
            "data_seed": cfg.seed, "timeout_s": cfg.timeout_s, "record": cfg.record,
-           "max_staleness": cfg.max_staleness,
+           "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
            "emulate": cfg.emulate or (None, None)}  # fmt: skip
     run = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
     evaluator = _Evaluator(host_model, loss_fn, eval_data or (x, y), params_of(host_model))

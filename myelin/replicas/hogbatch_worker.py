@@ -109,7 +109,7 @@ class _Worker:
             left = self.cost[0] + self.cost[1] * count - (time.perf_counter() - t0)
             if left > 0:
                 time.sleep(left)
-        lr = self.job["lr"]
+        lr = self.job["lr"] * (1.0 if self.index == 0 else self.job["cpu_lr_scale"])
         tau = self.store.version() - v_read
         bound = self.job["max_staleness"]
         if bound is not None and tau > bound:

@@ -79,16 +79,23 @@ def test_bad_settings_name_the_field(kw, field):
         myelin.Hogbatch(**kw)
 
 
-def test_lock_with_one_worker_is_plain_sgd_bit_for_bit(tmp_path):
+def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_resume_continues(tmp_path):
     model, data, _ = problem()
     ref = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
     ref.load_state_dict(model.state_dict())
-    cfg = myelin.Hogbatch(cpu_workers=0, device_batch=(24, 48), lock=True, record=str(tmp_path),
-                          budget=0.5, timeout_s=100)  # fmt: skip
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.01)
-    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=2)
-    recs = load_records(tmp_path)
-    assert [r["version"] for r in recs] == list(range(len(recs)))
+    recs = []
+    state = None
+    for part in ("a", "b"):  # one epoch, then a second one resumed from the first's state
+        (tmp_path / part).mkdir()
+        cfg = myelin.Hogbatch(cpu_workers=0, device_batch=(24, 48), lock=True, budget=0.5,
+                              record=str(tmp_path / part), timeout_s=100)  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.01)
+        rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=1, resume=state)
+        state = rep["state"]
+        part_recs = load_records(tmp_path / part)
+        assert [r["version"] for r in part_recs] == list(range(len(part_recs)))
+        recs += part_recs
+    assert state["epoch"] == 2 and state["controller"]["device_seen"] == len(recs)
     # the same batches, in the same order, through torch.optim.SGD
     sgd = torch.optim.SGD(ref.parameters(), lr=0.05, weight_decay=0.01)
     perms = Dispatcher(len(data[0]), 2, cfg.seed)
@@ -102,7 +109,7 @@ def test_lock_with_one_worker_is_plain_sgd_bit_for_bit(tmp_path):
         seen[epoch] += count
     assert seen == {0: 512, 1: 512}
     assert torch.equal(flat(model), flat(ref))
-    assert rep["workers"][0]["share"] == 1.0 and len(rep["evals"]) == 2
+    assert rep["workers"][0]["share"] == 1.0 and [e["epoch"] for e in rep["evals"]] == [1]
 
 
 def test_slow_device_plus_cpu_updates_is_w0_minus_the_sum_of_all_steps(tmp_path):
@@ -159,3 +166,17 @@ def test_lock_free_run_reaches_the_optimum_and_survives_a_dead_cpu_worker(policy
     assert (got - best).norm() / best.norm() < 0.01
     assert rep["workers"][1]["updates"] > 0 and rep["workers"][2]["updates"] > 0
     assert abs(sum(x["share"] for x in rep["workers"]) - 1) < 1e-9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_worker_with_a_cpu_worker_adds_both_kinds_of_steps(tmp_path):
+    model, data, _ = problem()
+    w0 = flat(model).clone()
+    cfg = myelin.Hogbatch(cpu_workers=1, device="cuda", device_batch=(64, 64), lock=True,
+                          record=str(tmp_path), timeout_s=100)  # fmt: skip
+    rep = cfg.fit(model, torch.optim.SGD(model.parameters(), lr=0.02), torch.nn.MSELoss(), data)
+    w = w0.clone()
+    for r in load_records(tmp_path):
+        w.add_(r["step"], alpha=-r["lr"])
+    assert torch.equal(flat(model), w)
+    assert all(x["updates"] > 0 for x in rep["workers"])
