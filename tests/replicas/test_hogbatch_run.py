@@ -180,3 +180,37 @@ def test_cuda_device_worker_with_a_cpu_worker_adds_both_kinds_of_steps(tmp_path)
         w.add_(r["step"], alpha=-r["lr"])
     assert torch.equal(flat(model), w)
     assert all(x["updates"] > 0 for x in rep["workers"])
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_workers_leave_when_their_runner_is_killed():
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "workers" / "hogbatch_parent.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()  # after epoch 0 (the workers start within ~60 s)
+        pids = json.loads(line)["pids"]
+        assert len(pids) == 3 and all(_running(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if _running(p)], "workers outlived their runner by 15 s"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
