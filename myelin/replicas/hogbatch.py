@@ -133,7 +133,8 @@ class Hogbatch:
         (default: `data`) after each epoch, computed on a copy off the training path, the
         update share, staleness and busy fraction per worker and the device batch over time,
         and `state` (weights and controller) that `resume=` continues from. `on_epoch(epoch,
-        wall_s)` is called in the runner as each epoch completes (progress, tests). Workers
+        wall_s)` is called in the runner as each epoch completes (progress, tests, a time
+        budget); if it returns True the run stops there (steps in flight still land). Workers
         are spawned: a script calling this needs `if __name__ == "__main__":`."""
         from myelin.replicas.hogbatch_run import run  # the runner imports these settings
 

@@ -72,20 +72,21 @@ def run(
            "data_seed": cfg.seed, "timeout_s": cfg.timeout_s, "record": cfg.record,
            "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
            "emulate": cfg.emulate or (None, None)}  # fmt: skip
-    run = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
+    runner = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
     evaluator = _Evaluator(host_model, loss_fn, eval_data or (x, y), params_of(host_model))
     try:
-        run.start(ctx, job, (x, y))
-        run.drive(evaluator, on_epoch)
-        run.stop()
+        runner.start(ctx, job, (x, y))
+        runner.drive(evaluator, on_epoch)
+        runner.stop()
     finally:
-        run.kill()
+        runner.kill()
         evaluator.close()
     store.load_into(params)
-    report = run.report()
+    report = runner.report()
     report["evals"] = evaluator.results()
+    done = runner.disp.completed
     report["state"] = {"weights": store.snapshot(), "controller": ctl.state_dict(),
-                       "epoch": first_epoch + epochs}  # fmt: skip
+                       "epoch": max(done) + 1 if done else first_epoch}  # fmt: skip
     return report
 
 
@@ -200,10 +201,14 @@ class _Run:
                 self.procs[w].join(5)
                 self._lost(w)
             self._assign()
+            stop = False
             while self.completed < len(self.disp.completed):
                 if on_epoch is not None:
-                    on_epoch(self.disp.completed[self.completed], time.perf_counter() - self.t0)
+                    epoch = self.disp.completed[self.completed]
+                    stop = on_epoch(epoch, time.perf_counter() - self.t0) is True or stop
                 self.completed += 1
+            if stop:
+                break  # the caller asked to stop after this epoch; work in flight is dropped
         self.wall_s = time.perf_counter() - self.t0
 
     def _assign(self) -> None:
@@ -254,9 +259,14 @@ class _Run:
         for w in sorted(self.alive):
             self.conns[w].send_bytes(pack({"op": "stop"}))
         for w in sorted(self.alive):
-            if wait([self.conns[w], self.procs[w].sentinel], deadline - time.monotonic()):
-                if self.conns[w].poll():
-                    self._check(w, unpack(self.conns[w].recv_bytes()), "stopped")
+            conn = self.conns[w]
+            while wait([conn, self.procs[w].sentinel], max(deadline - time.monotonic(), 0)):
+                if not conn.poll():
+                    break  # it exited
+                msg = unpack(conn.recv_bytes())
+                if msg["op"] != "done":  # a batch in flight when the run was cut short
+                    self._check(w, msg, "stopped")
+                    break
             self.procs[w].join(max(deadline - time.monotonic(), 0))
 
     def kill(self) -> None:

@@ -214,3 +214,15 @@ def test_workers_leave_when_their_runner_is_killed():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+@pytest.mark.slow
+def test_on_epoch_true_stops_the_run_and_resume_starts_at_the_next_epoch():
+    model, data, _ = problem()
+    cfg = myelin.Hogbatch(cpu_workers=1, device_batch=(32, 32), timeout_s=100,
+                          emulate=((0.01, 0.0), (0.005, 0.0)))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=50,
+                  on_epoch=lambda epoch, wall_s: epoch == 1)  # fmt: skip
+    assert [e["epoch"] for e in rep["evals"]] == [0, 1] and rep["state"]["epoch"] == 2
+    assert torch.equal(rep["state"]["weights"], flat(model))

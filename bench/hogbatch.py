@@ -1,0 +1,211 @@
+"""CPU+GPU Hogbatch and Adaptive Hogbatch against the device alone and synchronous DP.
+
+    python3 bench/hogbatch.py                       # emulated 20x asymmetry (~6 minutes)
+    python3 bench/hogbatch.py --quick               # fewer rows and epochs (~3 minutes)
+    python3 bench/hogbatch.py --device cuda --real  # on a GPU: real speeds (no emulation)
+
+Data: a synthetic set shaped like covtype (54 features, 7 classes, labelled by a random
+teacher MLP); model: a sigmoid MLP (`--depth` x `--width`; the paper's is 8 x 512, too slow
+for two shared cores: pass `--depth 8 --width 512` where there are cores), softmax cross
+entropy, plain SGD; the CPU workers' lr is `--cpu-lr-scale` (0.25 = sqrt(4 / 64)) times the
+device's (the reference code uses one lr; with it, here, batch-4 steps at the device's lr
+add more noise than progress: --cpu-lr-scale 1 shows it).
+
+Emulated mode: every update is padded to a declared cost, `per update + per sample x batch`
+(device 10 ms + 0.1 ms/sample, CPU worker 4 ms + 2 ms/sample: a 20x per-sample asymmetry),
+so the speeds do not depend on what else runs on the machine, as long as the real compute
+stays under the declared cost (the JSON keeps each worker's busy fraction to check it).
+
+Configurations: device alone at two batches (the best one is "device alone"); three CPU
+workers alone (worker 0 run at CPU cost and batch); synchronous data parallelism with equal
+batches (one process emulates it: each round is one SGD step on the union of the workers'
+equal batches, which equals averaging their gradients as AllReduce does, and lasts as long
+as the slowest worker's declared cost; communication is free, which favours it); fixed
+CPU+GPU Hogbatch at the device's best batch; Adaptive at budgets 0.1, 0.3, 0.5 with the
+target ratio 0.25 (two CPU workers at batch 4 make 167 updates/s; the device cannot make as
+many at any batch, so ratio 1 is out of reach: at 0.25 the ratio batch is 140, above the
+floor of budget 0.5 (100) and below those of 0.3 (233) and 0.1 (900)). Target loss: what the
+device alone reaches at 2/3 of its epochs. Every other configuration runs for as long as
+the best device-alone run took (as many epochs as fit); time to target is interpolated
+between epoch evaluations (made on copies, off the training path).
+Results: bench/results/hogbatch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness  # noqa: E402
+
+import myelin  # noqa: E402
+from myelin.replicas.hogbatch_dispatch import Dispatcher  # noqa: E402
+
+DEVICE_COST = (0.010, 0.0001)  # s per update, s per sample: 10k samples/s at full efficiency
+CPU_COST = (0.004, 0.002)  # 500 samples/s per worker: 20x slower per sample
+
+
+def covtype_like(rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """54 standardised features, 7 classes from a random teacher MLP (argmax)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 54, generator=g)
+    w1, w2 = torch.randn(54, 64, generator=g) / 54**0.5, torch.randn(64, 7, generator=g)
+    y = (torch.tanh(x @ w1) @ w2).argmax(1)
+    return x, y
+
+
+def mlp(depth: int, width: int, seed: int = 0) -> torch.nn.Module:
+    """The paper's shape: `depth` sigmoid layers of `width`, then 7 logits."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    d = 54
+    for _ in range(depth):
+        layers += [torch.nn.Linear(d, width), torch.nn.Sigmoid()]
+        d = width
+    return torch.nn.Sequential(*layers, torch.nn.Linear(d, 7))
+
+
+def run_hogbatch(args: Any, data: tuple, name: str, epochs: int = 0, **kw: Any) -> dict[str, Any]:
+    """One Hogbatch run; its report, without the weights."""
+    model = mlp(args.depth, args.width)
+    emulate = None if args.real else kw.pop("emulate", (DEVICE_COST, CPU_COST))
+    cfg = myelin.Hogbatch(device=args.device, emulate=emulate, timeout_s=300, **kw)
+    t = time.perf_counter()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    epochs = epochs or args.epochs
+    budget_s = getattr(args, "budget_s", None)
+
+    def on_epoch(epoch: int, wall_s: float) -> bool:  # stop at the time budget, if any
+        return budget_s is not None and wall_s >= budget_s
+
+    rep = cfg.fit(model, opt, torch.nn.CrossEntropyLoss(), data, epochs=epochs,
+                  on_epoch=on_epoch)  # fmt: skip
+    rep.pop("state")
+    rep["name"], rep["total_s"] = name, time.perf_counter() - t
+    print(f"  {name}: {rep['wall_s']:.1f}s, last loss {rep['evals'][-1]['loss']:.4f}", flush=True)
+    return rep
+
+
+def run_sync(args: Any, data: tuple, batch: int, workers: int, target: float) -> dict[str, Any]:
+    """Synchronous DP with equal batches, emulated in one process (see the docstring);
+    stops at the epoch that reaches `target`."""
+    model = mlp(args.depth, args.width)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y = data
+    costs = [DEVICE_COST] + [CPU_COST] * (workers - 1)
+    round_s = max(o + s * batch for o, s in costs)
+    epochs = args.epochs * 4  # as many as fit in the time budget
+    disp, evals, t0 = Dispatcher(len(x), epochs, 0), [], time.perf_counter()
+    for epoch in range(epochs):
+        if evals and evals[-1]["wall_s"] >= args.budget_s:
+            break
+        perm = disp.permutation(epoch)
+        for start in range(0, len(x), batch * workers):
+            t = time.perf_counter()
+            idx = perm[start : start + batch * workers]
+            opt.zero_grad()
+            loss_fn(model(x[idx]), y[idx]).backward()
+            opt.step()
+            left = round_s - (time.perf_counter() - t)
+            if left > 0:
+                time.sleep(left)
+        wall = time.perf_counter() - t0
+        with torch.no_grad():
+            evals.append({"epoch": epoch, "wall_s": wall, "loss": float(loss_fn(model(x), y))})
+        if evals[-1]["loss"] <= target:
+            break
+    name = f"sync DP ({workers} x {batch})"
+    print(f"  {name}: {evals[-1]['wall_s']:.1f}s, last loss {evals[-1]['loss']:.4f}", flush=True)
+    return {"name": name, "wall_s": evals[-1]["wall_s"], "evals": evals, "workers": []}
+
+
+def time_to(evals: list[dict[str, float]], target: float) -> tuple[float | None, float | None]:
+    """(seconds, epochs) when the loss first reaches `target`, interpolated between evals."""
+    prev = {"wall_s": 0.0, "loss": float("inf"), "epoch": -1}
+    for e in evals:
+        if e["loss"] <= target:
+            if prev["loss"] == float("inf"):
+                return e["wall_s"], e["epoch"] + 1.0
+            f = (prev["loss"] - target) / (prev["loss"] - e["loss"])
+            return (prev["wall_s"] + f * (e["wall_s"] - prev["wall_s"]),
+                    prev["epoch"] + 1 + f)  # fmt: skip
+        prev = e
+    return None, None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1.0)
+    p.add_argument("--ratio", type=float, default=0.25)
+    p.add_argument("--cpu-lr-scale", type=float, default=0.25, help="CPU lr / device lr")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--real", action="store_true", help="no emulated costs")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.quick:
+        args.rows, args.epochs = 8000, 6
+    torch.set_num_threads(1)
+    data = covtype_like(args.rows)
+    runs = []
+    for b in (64, 256, 1024):
+        runs.append(run_hogbatch(args, data, f"device alone ({b})", cpu_workers=0,
+                                 device_batch=(b, b), adaptive=False))  # fmt: skip
+    best = min(runs, key=lambda r: r["evals"][2 * args.epochs // 3 - 1]["loss"])
+    target = best["evals"][2 * args.epochs // 3 - 1]["loss"]
+    best_batch = best["device_batch"][0][1]
+    # every other configuration gets as much time as the best device-alone run took, and
+    # as many epochs as fit in it (large batches need more epochs than small ones)
+    args.budget_s = best["wall_s"]
+    long = args.epochs * 4
+    runs.append(run_hogbatch(args, data, "CPU workers alone (3 x 4)", long,
+                             cpu_workers=2, cpu_batch=4,
+                             device_batch=(4, 4), adaptive=False,
+                             emulate=(CPU_COST, CPU_COST)))  # fmt: skip
+    runs.append(run_sync(args, data, batch=64, workers=3, target=target))
+    runs.append(run_hogbatch(args, data, f"Hogbatch fixed ({best_batch})", long, cpu_workers=2,
+                             cpu_batch=4, device_batch=(best_batch, best_batch),
+                             adaptive=False, cpu_lr_scale=args.cpu_lr_scale))  # fmt: skip
+    for eps in (0.1, 0.3, 0.5):
+        runs.append(run_hogbatch(args, data, f"Adaptive eps={eps}", long, cpu_workers=2,
+                                 cpu_batch=4,
+                                 device_batch=(16, 1024), budget=eps,
+                                 ratio=args.ratio, cpu_lr_scale=args.cpu_lr_scale))  # fmt: skip
+    rows = []
+    for r in runs:
+        t, ep = time_to(r["evals"], target)
+        r["time_to_target_s"], r["epochs_to_target"] = t, ep
+        w = r["workers"]
+        rows.append([
+            r["name"],
+            f"{t:.1f}" if t is not None else "-",
+            f"{ep:.1f}" if ep is not None else "-",
+            f"{r['evals'][-1]['loss']:.4f}",
+            f"{w[0]['share']:.2f}" if w else "-",
+            f"{r['ratio']:.2f}" if w and r["ratio"] != float("inf") else "-",
+            "/".join(f"{x['tau_median']:g}|{x['tau_p99']:g}" for x in w) or "-",
+            "/".join(f"{x['busy']:.2f}" for x in w) or "-",
+            f"{r['device_batch'][-1][1]}" if w else "-",
+        ])  # fmt: skip
+    heads = ["config", "t->target s", "epochs", "final loss", "dev share", "ratio",
+             "tau p50|p99 per worker", "busy per worker", "last dev batch"]  # fmt: skip
+    _harness.print_table(heads, rows, title=f"Hogbatch, target loss {target:.4f}")
+    path = _harness.write_json("hogbatch", {"target": target, "args": vars(args),
+                               "costs": {"device": DEVICE_COST, "cpu": CPU_COST},
+                               "runs": runs}, args.out)  # fmt: skip
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
