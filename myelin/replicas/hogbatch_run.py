@@ -73,7 +73,8 @@ def run(
            "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
            "emulate": cfg.emulate or (None, None)}  # fmt: skip
     runner = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
-    evaluator = _Evaluator(host_model, loss_fn, eval_data or (x, y), params_of(host_model))
+    eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
+    evaluator = _Evaluator(eval_model, loss_fn, eval_data or (x, y), params_of(eval_model))
     try:
         runner.start(ctx, job, (x, y))
         runner.drive(evaluator, on_epoch)

@@ -15,6 +15,7 @@ whose parent stops talking for `timeout_s` or whose pipe closes leaves on its ow
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import traceback
@@ -76,7 +77,10 @@ class _Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.store = SharedModel(*shared)
-        self.model = job["model"].to(self.device)
+        # a private copy: spawning hands every process the *same* shared-memory storage for
+        # the pickled model's tensors, so without it all workers (and the runner's
+        # evaluator) would compute on one parameter buffer
+        self.model = copy.deepcopy(job["model"]).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.x, self.y = data
         self.loss_fn = job["loss_fn"]
