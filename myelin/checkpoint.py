@@ -165,6 +165,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
             f"{where}: saved with data_parallel={manifest['data_parallel']}, so replica "
             f"{world.replica} takes replica 0's extra data and process RNG state"
         )
+    _restore_strategy(trainer, vdir, manifest, unmoved)
     for line in unmoved:
         log.warning("%s", line)
     trainer.resumed_scheduler_state = scheduler
@@ -175,6 +176,28 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
     trainer.steps_done = first["steps_done"]
     trainer.seq = first["seq"]
     return first["extra"]
+
+
+def _restore_strategy(
+    trainer: Checkpointable, vdir: Path, manifest: dict[str, Any], unmoved: list[str]
+) -> None:
+    """The replica strategy's own state (EASGD's x_i and center, DASO's schedule) is this
+    rank's: it comes back in the layout that wrote it, and starts afresh in another."""
+    strategy, world = getattr(trainer, "replicas", None), trainer.world
+    if strategy is None:
+        return
+    same = (manifest["stages"], manifest["data_parallel"]) == (
+        world.layout.stages,
+        world.layout.data_parallel,
+    )
+    if same and str(world.rank) in manifest["shards"]:
+        strategy.load_state_dict(_read_shard(vdir, manifest, world.rank).get("strategy", {}))
+    elif strategy.state_dict():
+        unmoved.append(
+            f"{vdir}: the replica strategy's own state was saved with stages="
+            f"{manifest['stages']} x data_parallel={manifest['data_parallel']} and starts "
+            f"afresh in this layout"
+        )
 
 
 def _shards_to_read(

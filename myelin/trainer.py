@@ -462,7 +462,6 @@ class Trainer:
         except BaseException as exc:  # a peer lost in the gather: this rank's error too
             raise self._failures.fail(exc, "close()") from None
         finally:
-            self._failures.release_sigterm()
             if getattr(self, "streams", None) is not None:
                 self.streams.close()  # the layers' pre-hooks, on the user's modules
             if getattr(self, "replicas", None) is not None:
@@ -474,6 +473,8 @@ class Trainer:
             close_world(self.world)
             if getattr(self, "budget", None) is not None:
                 self.budget.close()
+            # Last: a launcher's SIGTERM while closing still raises the lost peer's name.
+            self._failures.release_sigterm()
 
     def __enter__(self) -> Trainer:
         return self

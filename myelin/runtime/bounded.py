@@ -65,22 +65,26 @@ class Waits:
         waited = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + waited
         while True:
-            try:
-                if done(SLICE_S):
-                    return
-            except MyelinError:
-                raise
-            except Exception as exc:
-                self._explain(exc, what, strict)
-                raise
+            if self._try(done, what, strict):
+                return
             if self.liveness is not None and self.liveness.anyone_left:
                 time.sleep(_LEFT_GRACE_S)
-                if done(SLICE_S):
+                if self._try(done, what, strict):
                     return
             self.check(what, strict)
             if time.monotonic() > deadline:
                 where = what or (self.liveness.where if self.liveness is not None else None)
                 raise DeadlineError(f"{self.me} waited {waited:.0f}s in {where or 'a wait'}")
+
+    def _try(self, done: Callable[[float], bool], what: str | None, strict: bool) -> bool:
+        """One slice of `done`; its failure becomes the loss or departure behind it."""
+        try:
+            return done(SLICE_S)
+        except MyelinError:
+            raise
+        except Exception as exc:
+            self._explain(exc, what, strict)
+            raise
 
     def _explain(self, exc: Exception, what: str | None, strict: bool) -> None:
         """Raise the loss or departure behind a failed collective, if the heartbeats know
