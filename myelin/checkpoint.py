@@ -352,23 +352,11 @@ def gather(trainer: Checkpointable, layout: list[list[tuple]]) -> dict[str, torc
 
 def _check_model(trainer: Checkpointable, state: dict[str, torch.Tensor], where: Path) -> None:
     """Raise naming every parameter that is missing, unexpected or of another shape."""
-    mine = trainer.module.state_dict()
-    problems = []
-    for name in sorted(set(mine) - set(state)):
-        problems.append(f"missing from the checkpoint: {name} {tuple(mine[name].shape)}")
-    for name in sorted(set(state) - set(mine)):
-        problems.append(f"not in this model: {name} {tuple(state[name].shape)}")
-    for name in sorted(set(mine) & set(state)):
-        if tuple(mine[name].shape) != tuple(state[name].shape):
-            problems.append(
-                f"{name}: checkpoint has shape {tuple(state[name].shape)}, "
-                f"model has {tuple(mine[name].shape)}"
-            )
+    problems = reshard.mismatches(trainer.module.state_dict(), state)
     if problems:
+        stage = trainer.world.stage
         raise CheckpointError(
-            f"{where} does not match stage {trainer.world.stage} of this model:\n  "
-            + "\n  ".join(problems[:20])
-            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+            f"{where} does not match stage {stage} of this model:{reshard.listed(problems)}"
         )
 
 

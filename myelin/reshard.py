@@ -194,15 +194,25 @@ def _check_model(
 ) -> None:
     """Raise naming every entry that is missing, unexpected or of another shape."""
     mine = {sk.keys[k]: v for k, v in module.state_dict().items()}
-    problems = []
-    for key in sorted(set(mine) - set(saved)):
-        problems.append(f"missing from the checkpoint: {key} {tuple(mine[key].shape)}")
+    ours = None
     if sk.layers is not None:
         lo, hi = sk.layers
         ours = {k for k in saved if _layer_of(k) is not None and lo <= _layer_of(k) < hi}
-    else:
-        ours = set(saved)
-    for key in sorted(ours - set(mine)):
+    problems = mismatches(mine, saved, ours)
+    if problems:
+        raise ReshardError(f"{where} does not match this model:{listed(problems)}")
+
+
+def mismatches(
+    mine: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], ours: set[str] | None = None
+) -> list[str]:
+    """Every entry missing from `saved`, unexpected in it (of `ours`: the saved keys this
+    model should hold, default all), or of another shape."""
+    problems = [
+        f"missing from the checkpoint: {key} {tuple(mine[key].shape)}"
+        for key in sorted(set(mine) - set(saved))
+    ]
+    for key in sorted((set(saved) if ours is None else ours) - set(mine)):
         problems.append(f"not in this model: {key} {tuple(saved[key].shape)}")
     for key in sorted(set(mine) & set(saved)):
         if tuple(mine[key].shape) != tuple(saved[key].shape):
@@ -210,12 +220,13 @@ def _check_model(
                 f"{key}: checkpoint has shape {tuple(saved[key].shape)}, "
                 f"model has {tuple(mine[key].shape)}"
             )
-    if problems:
-        raise ReshardError(
-            f"{where} does not match this model:\n  "
-            + "\n  ".join(problems[:20])
-            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        )
+    return problems
+
+
+def listed(problems: list[str], most: int = 20) -> str:
+    """The problems as indented lines for an error message, the first `most` of them."""
+    more = f"\n  ... and {len(problems) - most} more" if len(problems) > most else ""
+    return "\n  " + "\n  ".join(problems[:most]) + more
 
 
 def _layer_of(key: str) -> int | None:
