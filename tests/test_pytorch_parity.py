@@ -18,30 +18,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import myelin
 from myelin import ConfigError, OffloadConfig, Trainer
 from tests.workers import _reference as reference
+from tests.workers._reference import batches, mlp
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 HOST = OffloadConfig(optimizer=True, bucket_bytes=1024)  # several buckets even here
 STREAM = OffloadConfig(optimizer="stream", bucket_bytes=1024)
-
-
-def mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(8, 32),
-        nn.Tanh(),
-        nn.LayerNorm(32),
-        nn.Linear(32, 32),
-        nn.Tanh(),
-        nn.Linear(32, 4),
-    )
-
-
-def batches(n, rows=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g))
-        for _ in range(n)
-    ]
 
 
 def run(model, batches_, *, optimizer=ADAMW, microbatches=4, **kwargs):

@@ -12,6 +12,28 @@ from torch import nn
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def mlp(seed=0) -> nn.Sequential:
+    """The parity tests' small model: Linear, Tanh, LayerNorm, Linear, Tanh, Linear."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 32),
+        nn.Tanh(),
+        nn.LayerNorm(32),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Linear(32, 4),
+    )
+
+
+def batches(n, rows=16, seed=0) -> list:
+    """`n` seeded (inputs, class labels) batches for `mlp`."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g))
+        for _ in range(n)
+    ]
+
+
 def chunks(batch, microbatches: int) -> list:
     """A batch (tensor or tuple of tensors) as `microbatches` pieces, as Trainer.step splits
     it: equal pieces, or (a short last batch) pieces whose sizes differ by at most one."""

@@ -14,6 +14,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+from _reference import batches, mlp
 from _reference import train as reference
 from torch import nn
 
@@ -21,26 +22,6 @@ import myelin
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 HOST = myelin.OffloadConfig(optimizer=True, bucket_bytes=1024)
-
-
-def mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(8, 32),
-        nn.Tanh(),
-        nn.LayerNorm(32),
-        nn.Linear(32, 32),
-        nn.Tanh(),
-        nn.Linear(32, 4),
-    )
-
-
-def batches(n, rows=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g))
-        for _ in range(n)
-    ]
 
 
 def trainer(model, **kw):
