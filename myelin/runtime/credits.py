@@ -3,7 +3,7 @@
 A sender keeps at most `max_inflight_bytes` unacknowledged per receiver (the transport
 queues the rest). The receiver owes each sender credits for the bytes it took, and the
 shared-memory slots whose tensors died; `Ledger` keeps those debts and pays them in
-batches, about one control message per peer per millisecond, at once when a debt is
+batches, at most one control message per peer per 5 ms, at once when a debt is
 large (an eighth of the credit budget, 4 MiB of slots) so a sender never starves and
 reuses slots while they are still warm in its cache.
 """
@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["Ledger", "SETTLE_DELAY_S"]
 
 _FREE_CHUNK = 4096  # freed slots per control message, well under the header limit
-SETTLE_DELAY_S = 0.001  # how long small credits and freed slots may wait to be batched
+SETTLE_DELAY_S = 0.005  # how long small credits and freed slots may wait to be batched
 _SLOTS_BATCH = 4 * 2**20  # freed slot bytes that go back at once, aged or not
 
 

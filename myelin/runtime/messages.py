@@ -28,6 +28,7 @@ __all__ = [
     "encode",
     "decode",
     "tensor_frame",
+    "COPY_BELOW",
 ]
 
 PROTOCOL_VERSION = 1
@@ -45,7 +46,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HEADER_FIELDS = ("version", "kind", "src", "step", "microbatch", "stage", "tensors", "meta")
-_TENSOR_FIELDS = {"dtype", "shape", "nbytes", "shm"}
+_HEADER_SET = frozenset(_HEADER_FIELDS)
+_HEADER_INTS = ("src", "step", "microbatch", "stage")
+_TENSOR_FIELDS = frozenset(("dtype", "shape", "nbytes", "shm"))
+_TENSOR_REQUIRED = frozenset(("dtype", "shape", "nbytes"))
+_SCALARS = frozenset((bool, float, str, bytes, type(None)))
 _META_MAX_DEPTH = 8
 _INT_MAX = 2**63 - 1
 
@@ -139,7 +144,8 @@ def decode(
 ) -> Message:
     """Decode frames into a Message, or raise `MessageError` naming the bad field.
 
-    Frames may be bytes, memoryviews or `zmq.Frame`s; tensors alias the frames' buffers.
+    Frames may be bytes, memoryviews or `zmq.Frame`s; tensors alias the frames' buffers from
+    `COPY_BELOW` bytes (smaller ones are copied).
     """
     if len(frames) == 0:
         raise MessageError("frames", "no frames (expected a header frame)")
@@ -195,18 +201,26 @@ def _buffer(frame: Any) -> memoryview:
 
 
 _ALIGN = 64  # bytes; torch's CPU allocator and the shared-memory slots (shm.ALIGN) align so
+COPY_BELOW = 64 * 1024  # bytes; a smaller frame is copied, which costs less than wrapping it
 
 
 def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if buf.nbytes == 0:
+    nbytes = buf.nbytes
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    if nbytes < COPY_BELOW:
+        # One copy into torch's own 64-byte aligned memory: cheaper than wrapping a small
+        # frame (and its read-only warning), and aligned wherever ZeroMQ put the bytes.
+        t = torch.empty(shape, dtype=dtype)
+        tensor_frame(t)[:] = buf
+        return t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only zmq buffers warn; we own them now
         t = torch.frombuffer(buf, dtype=dtype)
     if t.data_ptr() % _ALIGN:
-        # A frame where ZeroMQ happened to put it (small ones land 4-byte aligned): copy it
-        # to torch's own 64-byte aligned memory, as kernels take other paths (and round
-        # otherwise) on unaligned inputs, and results must not depend on where bytes land.
+        # A frame where ZeroMQ happened to put it: copy it to aligned memory, as kernels
+        # take other paths (and round otherwise) on unaligned inputs, and results must not
+        # depend on where bytes land.
         t = t.clone()
     return t.view(shape)
 
@@ -230,13 +244,14 @@ def _unpack_header(buf: memoryview, limits: MessageLimits) -> dict[str, Any]:
         raise MessageError("header", f"not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise MessageError("header", f"expected a map, got {type(header).__name__}")
-    _check_keys("header", header)
-    unknown = sorted(set(header) - set(_HEADER_FIELDS))
-    if unknown:
-        raise MessageError(unknown[0], "unknown header field")
-    for name in _HEADER_FIELDS:
-        if name not in header:
-            raise MessageError(name, "missing")
+    if header.keys() != _HEADER_SET:  # the common case costs one comparison
+        _check_keys("header", header)
+        unknown = sorted(set(header) - _HEADER_SET)
+        if unknown:
+            raise MessageError(unknown[0], "unknown header field")
+        for name in _HEADER_FIELDS:
+            if name not in header:
+                raise MessageError(name, "missing")
     if header["version"] != PROTOCOL_VERSION or type(header["version"]) is not int:
         raise MessageError(
             "version",
@@ -245,8 +260,10 @@ def _unpack_header(buf: memoryview, limits: MessageLimits) -> dict[str, Any]:
         )
     if header["kind"] not in KINDS:
         raise MessageError("kind", f"{header['kind']!r} is not one of {', '.join(KINDS)}")
-    for name in ("src", "step", "microbatch", "stage"):
-        _check_int(name, header[name])
+    for name in _HEADER_INTS:
+        value = header[name]
+        if type(value) is not int or not 0 <= value <= _INT_MAX:
+            _check_int(name, value)
     if not isinstance(header["meta"], dict):
         raise MessageError("meta", f"expected a map, got {type(header['meta']).__name__}")
     _check_meta("meta", header["meta"], 0)
@@ -274,19 +291,24 @@ def _check_int(name: str, value: Any, low: int = 0) -> int:
 def _check_meta(path: str, value: Any, depth: int) -> None:
     if depth > _META_MAX_DEPTH:
         raise MessageError(path, f"nested deeper than {_META_MAX_DEPTH}")
-    if type(value) is int and not -(2**63) <= value < 2**64:
-        raise MessageError(path, f"int {value} does not fit in 64 bits")
-    if value is None or type(value) in (bool, int, float, str, bytes):
+    kind = type(value)
+    if kind is int:
+        if not -(2**63) <= value < 2**64:
+            raise MessageError(path, f"int {value} does not fit in 64 bits")
+        return
+    if kind in _SCALARS:
         return
     if isinstance(value, list):
         for i, item in enumerate(value):
-            _check_meta(f"{path}[{i}]", item, depth + 1)
+            if depth >= _META_MAX_DEPTH or type(item) not in _SCALARS:  # ints: their range
+                _check_meta(f"{path}[{i}]", item, depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if type(key) is not str:
                 raise MessageError(path, f"map key {key!r} is not a string")
-            _check_meta(f"{path}.{key}", item, depth + 1)
+            if depth >= _META_MAX_DEPTH or type(item) not in _SCALARS:
+                _check_meta(f"{path}.{key}", item, depth + 1)
         return
     raise MessageError(path, f"value of type {type(value).__name__} is not allowed")
 
@@ -306,13 +328,14 @@ def _check_tensor_specs(
         where = f"tensors[{i}]"
         if not isinstance(spec, dict):
             raise MessageError(where, f"expected a map, got {type(spec).__name__}")
-        _check_keys(where, spec)
-        unknown = sorted(set(spec) - _TENSOR_FIELDS)
-        if unknown:
-            raise MessageError(f"{where}.{unknown[0]}", "unknown tensor field")
-        for name in ("dtype", "shape", "nbytes"):
-            if name not in spec:
-                raise MessageError(f"{where}.{name}", "missing")
+        if not (_TENSOR_REQUIRED <= spec.keys() <= _TENSOR_FIELDS):
+            _check_keys(where, spec)
+            unknown = sorted(set(spec) - _TENSOR_FIELDS)
+            if unknown:
+                raise MessageError(f"{where}.{unknown[0]}", "unknown tensor field")
+            for name in ("dtype", "shape", "nbytes"):
+                if name not in spec:
+                    raise MessageError(f"{where}.{name}", "missing")
         dtype = DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
         if dtype is None:
             raise MessageError(
@@ -325,12 +348,15 @@ def _check_tensor_specs(
             raise MessageError(f"{where}.shape", f"{len(shape)} dims exceeds {limits.max_ndim}")
         numel, extent = 1, 1  # extent ignores zeros, so empty tensors cannot overflow either
         for d, size in enumerate(shape):
-            _check_int(f"{where}.shape[{d}]", size)
+            if type(size) is not int or not 0 <= size <= _INT_MAX:
+                _check_int(f"{where}.shape[{d}]", size)
             numel *= size
             extent *= max(size, 1)
             if extent > _INT_MAX:
                 raise MessageError(f"{where}.shape", f"{shape} has more than 2**63 elements")
-        nbytes = _check_int(f"{where}.nbytes", spec["nbytes"])
+        nbytes = spec["nbytes"]
+        if type(nbytes) is not int or not 0 <= nbytes <= _INT_MAX:
+            _check_int(f"{where}.nbytes", nbytes)
         expected = numel * dtype.itemsize
         if nbytes != expected:
             raise MessageError(
@@ -359,11 +385,14 @@ def _check_tensor_specs(
 def _check_outgoing(message: Message) -> None:
     if message.kind not in KINDS:
         raise MessageError("kind", f"{message.kind!r} is not one of {', '.join(KINDS)}")
-    for name in ("src", "step", "microbatch", "stage"):
-        _check_int(name, getattr(message, name))
+    for name in _HEADER_INTS:
+        value = getattr(message, name)
+        if type(value) is not int or not 0 <= value <= _INT_MAX:
+            _check_int(name, value)
     if not isinstance(message.meta, dict):
         raise MessageError("meta", f"expected a dict, got {type(message.meta).__name__}")
-    _check_meta("meta", message.meta, 0)
+    if message.meta:
+        _check_meta("meta", message.meta, 0)
     for i, t in enumerate(message.tensors):
         if not isinstance(t, torch.Tensor):
             raise MessageError(f"tensors[{i}]", f"expected a torch.Tensor, got {type(t).__name__}")
@@ -371,11 +400,11 @@ def _check_outgoing(message: Message) -> None:
             raise MessageError(
                 f"tensors[{i}].dtype", f"{t.dtype} is not one of {', '.join(DTYPES)}"
             )
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise MessageError(
                 f"tensors[{i}].device", f"tensor is on {t.device}; copy it to host memory first"
             )
-        if t.layout != torch.strided or t.is_mkldnn:
+        if t.layout is not torch.strided or t.is_mkldnn:
             raise MessageError(
                 f"tensors[{i}].layout", f"{t.layout} tensors cannot be sent; use .to_dense()"
             )

@@ -348,6 +348,8 @@ class ReceiveSide:
 
     def released(self) -> list[tuple[int, int, int]]:
         """(src, offset, nbytes) of every slot whose tensor died since the last call."""
+        if self._released.empty():
+            return []
         out = []
         while not self._released.empty():
             out.append(self._released.get_nowait())

@@ -139,9 +139,11 @@ class Transport:
             raise ValueError(
                 f"rank {self.rank} cannot send to rank {dst} (world {self.world_size})"
             )
-        peer = self._peer(dst)
-        self._drain()  # take credits and slots that came back, so this message can use them
+        peer = self._peers.get(dst) or self._peer(dst)
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
+        if not peer.queue and self._try_send(peer, message, nbytes):
+            return
+        self._drain()  # credits or slots that came back may let it leave now
         if not peer.queue and self._try_send(peer, message, nbytes):
             return
         encode(message)  # validate now, so a bad message fails in the caller, not later
@@ -279,7 +281,7 @@ class Transport:
 
     def _drain(self) -> None:
         """Take what waits in the inbox: control messages act now, the rest wait for poll."""
-        while self._monitor.getsockopt(_EVENTS) & _POLLIN:
+        while self._monitor.get(_EVENTS) & _POLLIN:
             self._monitor.recv_multipart(flags=_NOBLOCK)  # an event: a connection closed
             self.stats.dropped_connections += 1
             self._warn.warning(
@@ -287,13 +289,16 @@ class Transport:
                 "MessageLimits.max_tensor_bytes and was cut off)",
                 self.rank,
             )
+        inbox = self._inbox
         for _ in range(_DRAIN_MAX):
-            if not self._inbox.getsockopt(_EVENTS) & _POLLIN:
+            if not inbox.get(_EVENTS) & _POLLIN:
                 return
             try:
-                frames = self._inbox.recv_multipart(flags=_NOBLOCK, copy=False)
+                frames = [inbox.recv(_NOBLOCK, copy=False)]
             except zmq.Again:  # POLLIN can be set before a (CURVE) message is complete
                 return
+            while frames[-1].more:  # the rest of a multipart message is already here
+                frames.append(inbox.recv(_NOBLOCK, copy=False))
             msg = self._accept(frames)
             if msg is not None:
                 self._arrived.append(msg)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from myelin.errors import MessageError, MyelinError
 from myelin.runtime.messages import (
+    COPY_BELOW,
     DTYPES,
     KINDS,
     PROTOCOL_VERSION,
@@ -74,15 +75,18 @@ def assert_same_message(got: Message, want: Message) -> None:
 
 
 def assert_aliases(got: Message, frames: list[Any]) -> None:
-    """Each decoded tensor shares its frame's memory, unless the frame is not 64-byte
-    aligned: then it is a copy in aligned memory (issue 17.8)."""
+    """Each decoded tensor from COPY_BELOW bytes shares its frame's memory, unless the frame
+    is not 64-byte aligned: then it is a copy in aligned memory (issue 17.8), as every
+    smaller frame is (copying a few KiB costs less than wrapping them, issue 11.4)."""
     for t, frame in zip(got.tensors, frames[1:], strict=True):
         if t.numel() == 0:
             continue
         address = _address(getattr(frame, "buffer", frame))  # zmq.Frame has .buffer
-        if address % 64 == 0:
+        big = t.numel() * t.element_size() >= COPY_BELOW
+        if address % 64 == 0 and big:
             assert t.data_ptr() == address
         else:
+            assert t.data_ptr() != address
             assert t.data_ptr() % 64 == 0
 
 
@@ -347,12 +351,23 @@ def test_encoded_frames_keep_their_contiguous_copy_alive():
 
 
 def test_decoded_tensors_alias_aligned_frames():
-    backing = torch.frombuffer(bytearray(_PAYLOAD), dtype=torch.uint8).clone()  # 64-aligned
+    rows = COPY_BELOW // 12 + 1  # (rows, 3) float32: over COPY_BELOW bytes, aliased
+    backing = torch.zeros(rows * 12, dtype=torch.uint8)  # 64-byte aligned
     buf = memoryview(backing.numpy())
-    t = decode(_wire(_header(), buf)).tensors[0]
+    header = _header(tensors=[_spec(shape=[rows, 3], nbytes=rows * 12)])
+    t = decode(_wire(header, buf)).tensors[0]
     assert t.data_ptr() == backing.data_ptr()
     backing[0:4] = torch.tensor([2.5]).view(torch.uint8)
     assert t[0, 0].item() == 2.5  # a write to the frame shows in the tensor
+
+
+def test_small_frames_are_copied_even_when_aligned():
+    backing = torch.frombuffer(bytearray(_PAYLOAD), dtype=torch.uint8).clone()  # 64-aligned
+    t = decode(_wire(_header(), memoryview(backing.numpy()))).tensors[0]
+    assert t.data_ptr() != backing.data_ptr() and t.data_ptr() % 64 == 0
+    assert bytes(_bits(t).tolist()) == _PAYLOAD
+    backing[0:4] = torch.tensor([2.5]).view(torch.uint8)
+    assert t[0, 0].item() != 2.5  # a copy: later writes to the frame do not show
 
 
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
