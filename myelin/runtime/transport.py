@@ -141,6 +141,8 @@ class Transport:
             )
         peer = self._peers.get(dst) or self._peer(dst)
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
+        if nbytes >= self.config.shm_threshold_bytes:
+            self._drain()  # slots that came back are reused while still warm in cache
         if not peer.queue and self._try_send(peer, message, nbytes):
             return
         self._drain()  # credits or slots that came back may let it leave now
