@@ -48,6 +48,7 @@ class Trainable(Protocol):
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     steps_done: int
+    seq: int  # training and evaluation steps run: the step number spans and messages carry
     resumed_extra: dict[str, Any] | None
 
     @property
@@ -160,7 +161,7 @@ def fit(
             tokens = _tokens(targets if targets is not None else inputs)
             meter.add(loss, tokens, time.perf_counter() - t0)
             step, lr = trainer.steps_done, _lr(trainer)
-            used = _time_used(start, max_seconds, waits)
+            used = _time_used(trainer, start, max_seconds, waits)
             if scheduler is not None:
                 _advance(scheduler, max(step / final if final else 0.0, used))
             last = done == total or used >= 1.0
@@ -206,11 +207,20 @@ def _lr(trainer: Trainable) -> float | None:
     return trainer.optimizer.param_groups[0]["lr"] if trainer.optimizer is not None else None
 
 
-def _time_used(start: float, max_seconds: float | None, waits: Any = None) -> float:
-    """The share of the time budget used, the largest over all ranks (0 without one)."""
+def _time_used(
+    trainer: Trainable, start: float, max_seconds: float | None, waits: Any = None
+) -> float:
+    """The share of the time budget used, the largest over all ranks (0 without one).
+
+    The all-reduce waits for the rank that ends the step last (stage 0, whose last backward
+    comes last): a step-end synchronisation, recorded as such, not host overhead."""
     if max_seconds is None:
         return 0.0
-    return all_reduce([(time.monotonic() - start) / max_seconds], op="max", waits=waits)[0]
+    timeline, began = trainer.timeline, trainer.timeline.now()
+    used = all_reduce([(time.monotonic() - start) / max_seconds], op="max", waits=waits)[0]
+    name = f"{trainer.world.stage}SYNC_FIT"
+    timeline.add("allreduce", name, began, timeline.now(), trainer.seq - 1, cause="sync")
+    return used
 
 
 def _checkpoint(trainer: Trainable, path: Any, hooks: list[Callback]) -> None:

@@ -213,3 +213,29 @@ def test_a_time_budget_stops_training_and_tells_the_schedule_its_progress():
 def test_bad_new_fit_arguments_are_named(kwargs, message):
     with trainer() as t, pytest.raises(ConfigError, match=message):
         t.fit([], progress=False, **kwargs)
+
+
+def test_the_time_budgets_agreement_is_recorded_as_step_end_sync():
+    """fit's per-step all-reduce of the time used waits for the rank that ends the step last:
+    a `sync` wait of the step it follows, not host overhead (issue 11.4)."""
+    loader = DataLoader(data(32), batch_size=8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with Trainer(model, SGD, F.cross_entropy, microbatches=2, profile=True) as t:
+        t.fit(loader, steps=3, max_seconds=600, progress=False)
+        agreed = [s for s in t.timeline.spans if s.name == "0SYNC_FIT"]
+        ops = {s.step for s in t.timeline.spans if s.kind == "forward"}
+    assert [s.step for s in agreed] == sorted(ops) == [0, 1, 2]
+    assert all(s.kind == "allreduce" and s.cause == "sync" for s in agreed)
+
+
+def test_a_trainer_keeps_what_it_built_out_of_the_garbage_collectors_scans():
+    """Full collections over torch's objects stalled steps by tens of ms (issue 11.4): the
+    trainer freezes what lives at its construction, and close() gives it back."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    with trainer() as t:
+        assert gc.get_freeze_count() > 0
+        t.step(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+    assert gc.get_freeze_count() == 0
