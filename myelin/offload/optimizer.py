@@ -116,7 +116,7 @@ class Updater:
 
     def _pool_empty(self, like: torch.Tensor, what: str) -> torch.Tensor:
         assert self.pool is not None
-        return self.pool.empty(like.shape, torch.float32, what=f"optimizer {what}")
+        return self.pool.empty(like.shape, torch.float32, what=f"optimizer {what}", lasting=True)
 
     def _install_stream_hooks(self) -> None:
         """Copy a bucket's gradients to the host as soon as the last backward finishes them."""

@@ -29,6 +29,7 @@ __all__ = [
 
 ALIGN = 64  # bytes; every allocation starts on and is rounded up to this boundary
 _MIB = 1 << 20
+_LASTING_SLAB = 8 * _MIB  # lasting state grows in smaller slabs: a small model needs little
 _DEFAULT_LIMIT_FRACTION = 0.8
 _FIX_HINT = (
     "raise OffloadConfig(host_memory_limit=...), or lower microbatch size / turn off an offload"
@@ -142,6 +143,7 @@ class _Slab:
 
     data: torch.Tensor
     free: list[tuple[int, int]] = field(default_factory=list)
+    lasting: bool = False  # holds state that lives across steps, apart from scratch pages
 
     def take(self, size: int) -> int | None:
         """First fit: carve `size` bytes off the first free range that holds them."""
@@ -175,7 +177,8 @@ class HostPool:
     Slabs of `slab_bytes` are allocated lazily, only when no free range fits, touched at once
     (so the machine check below sees them) and kept for the pool's life; a request larger
     than a slab gets its own slab (rounded up to 1 MiB), kept and reused too. Near the limit
-    a new slab shrinks to the room left. Sizes are rounded up to 64 bytes and the byte counts
+    a new slab shrinks to the room left. Lasting allocations (`empty(..., lasting=True)`) take
+    slabs of their own, of at most 8 MiB. Sizes are rounded up to 64 bytes and the byte counts
     reported (`in_use_bytes`, `peak_bytes`) are the rounded ones. Growing past `limit_bytes`,
     or so far that less than `reserve_fraction` of the machine's memory would stay free, raises
     HostMemoryError before anything is allocated; the pool stays usable. Thread safe.
@@ -209,12 +212,20 @@ class HostPool:
     # -- allocation ---------------------------------------------------------------------
 
     def empty(
-        self, shape: Sequence[int] | torch.Size, dtype: torch.dtype, *, what: str = ""
+        self,
+        shape: Sequence[int] | torch.Size,
+        dtype: torch.dtype,
+        *,
+        what: str = "",
+        lasting: bool = False,
     ) -> torch.Tensor:
         """An uninitialised contiguous tensor in the pool; give it back with `free`.
 
-        `what` names the request in errors. Zero-element tensors take no pool memory and are
-        not tracked (`free` accepts them as a no-op, `owns` says False).
+        `what` names the request in errors. `lasting`: it lives across steps (optimizer
+        state, master weights) and takes slabs of its own, so state made mid-run never lands
+        where scratch pages were freed and pushes the next step's pages into new slabs.
+        Zero-element tensors take no pool memory and are not tracked (`free` accepts them as
+        a no-op, `owns` says False).
         """
         shape = torch.Size(shape)
         if any(dim < 0 for dim in shape):
@@ -224,7 +235,7 @@ class HostPool:
             return torch.empty(shape, dtype=dtype)
         size = _round_up(nbytes, ALIGN)
         with self._lock:
-            slab, offset = self._take(size, what or f"a {tuple(shape)} {dtype} tensor")
+            slab, offset = self._take(size, what or f"a {tuple(shape)} {dtype} tensor", lasting)
             view = slab.data[offset : offset + nbytes].view(dtype).view(shape)
             self._live[view.data_ptr()] = (slab, offset, size)
             self._in_use += size
@@ -260,7 +271,7 @@ class HostPool:
             return
         size = _round_up(nbytes, ALIGN)
         with self._lock:
-            if max((s.largest_free() for s in self._slabs), default=0) < size:
+            if max((s.largest_free() for s in self._slabs if not s.lasting), default=0) < size:
                 self._grow(size, f"reserve({human_bytes(nbytes)})")
 
     def reset_peak(self) -> None:
@@ -317,20 +328,22 @@ class HostPool:
 
     # -- internals (called with the lock held) -------------------------------------------
 
-    def _take(self, size: int, what: str) -> tuple[_Slab, int]:
+    def _take(self, size: int, what: str, lasting: bool = False) -> tuple[_Slab, int]:
         for slab in self._slabs:
-            offset = slab.take(size)
-            if offset is not None:
-                return slab, offset
-        slab = self._grow(size, what)
+            if slab.lasting == lasting:
+                offset = slab.take(size)
+                if offset is not None:
+                    return slab, offset
+        slab = self._grow(size, what, lasting)
         offset = slab.take(size)
         assert offset is not None
         return slab, offset
 
-    def _grow(self, need: int, what: str) -> _Slab:
+    def _grow(self, need: int, what: str, lasting: bool = False) -> _Slab:
         """Add a slab holding at least `need` bytes, or raise HostMemoryError having changed
         nothing. Near the limit the slab shrinks to the room left rather than failing."""
-        target = self._slab_bytes if need <= self._slab_bytes else _round_up(need, _MIB)
+        slab_bytes = min(self._slab_bytes, _LASTING_SLAB) if lasting else self._slab_bytes
+        target = slab_bytes if need <= slab_bytes else _round_up(need, _MIB)
         if self._limit is not None:
             room = (self._limit - self._capacity) // ALIGN * ALIGN
             if need > room:
@@ -351,7 +364,7 @@ class HostPool:
                 f"could not allocate a {human_bytes(target)} host slab for {what} "
                 f"({human_bytes(self._capacity)} already in slabs): {e}; {_FIX_HINT}"
             ) from e
-        slab = _Slab(data, [(0, target)])
+        slab = _Slab(data, [(0, target)], lasting)
         self._slabs.append(slab)
         self._capacity += target
         return slab

@@ -31,7 +31,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 def to_pool(pool: HostPool, t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` in the host pool, as optimizer state."""
-    home = pool.empty(t.shape, t.dtype, what="optimizer state")
+    home = pool.empty(t.shape, t.dtype, what="optimizer state", lasting=True)
     home.copy_(t)
     return home
 

@@ -248,3 +248,27 @@ def test_half_precision_masters_start_from_the_fp32_weights(optimizer):
     with myelin.Trainer(model, torch.optim.AdamW, lm_loss, precision="bf16", offload=offload) as t:
         assert t.module.get_parameter("embed.wte.weight").dtype == torch.bfloat16
         assert all(torch.equal(m, w) for m, w in zip(t.updater.masters, weights, strict=True))
+
+
+def test_the_host_pool_stops_growing_after_the_first_step():
+    """AdamW makes its state during step 1's update; the pool keeps that lasting state apart
+    from the activation pages freed meanwhile, so step 2's pages reuse step 1's slabs (the
+    GPU suite's check, reproduced on a CPU with slabs smaller than the state)."""
+    offload = myelin.OffloadConfig(activations=True, optimizer=True, min_bytes=0, slab_bytes="1MiB")
+    torch.manual_seed(0)
+    trainer = myelin.Trainer(
+        GPT(BIG),
+        functools.partial(torch.optim.AdamW, lr=1e-3),
+        lm_loss,
+        schedule="gpipe",
+        microbatches=8,
+        offload=offload,
+    )
+    g = torch.Generator().manual_seed(1)
+    grows = []
+    with trainer:
+        for _ in range(4):
+            x = torch.randint(0, BIG.vocab_size, (16, BIG.block_size + 1), generator=g)
+            trainer.step(x[:, :-1], x[:, 1:])
+            grows.append(trainer.pool.grows)
+    assert grows[1:] == grows[:1] * 3, f"slabs after each step: {grows}"
