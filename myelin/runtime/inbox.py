@@ -266,6 +266,20 @@ class Inbox:
         if self.ties is None or self.ties.sources <= set(self.pieces.get(mb, ())):
             ready.backward.add(mb)
 
+    def pieces_missing(self, ready: Ready) -> str:
+        """For a deadline's message: the backwards whose gradient came but whose pieces of
+        tied gradients did not (and from which ranks), or ""."""
+        if self.ties is None:
+            return ""
+        waiting = []
+        for mb in sorted(set(self.grads) - ready.backward):
+            missing = sorted(self.ties.sources - set(self.pieces.get(mb, ())))
+            ranks = ", ".join(str(self.world.peer(s)) for s in missing)
+            waiting.append(f"microbatch {mb} from rank {ranks}")
+        if not waiting:
+            return ""
+        return f"; gradients came, tied gradients did not, for {'; '.join(waiting)}"
+
     def _on_abort(self, msg: Message) -> None:
         """Another rank failed: raise its error here, as PeerLostError if a peer was lost."""
         if not 0 <= msg.src < self.world.layout.world_size or msg.src == self.world.rank:

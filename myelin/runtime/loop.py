@@ -253,7 +253,8 @@ class EventLoop:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 waited = time.monotonic() - last_progress
-                raise DeadlineError(describe_wait(self.world, self._step, ready, waited, policy))
+                why = describe_wait(self.world, self._step, ready, waited, policy)
+                raise DeadlineError(why + self.inbox.pieces_missing(ready))
 
     def _share(self, mb: int) -> float | None:
         """Microbatch `mb`'s share of the batch's rows when it split unevenly (else None)."""

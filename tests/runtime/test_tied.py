@@ -86,12 +86,16 @@ def test_a_backward_waits_for_the_later_holders_pieces_and_strangers_are_refused
     grad = Message("gradient", 1, 0, 0, 0, [torch.zeros(2, 3, D)], {"index": [0], "loss": 1.0})
     inbox.handle([grad], ready)
     assert ready.backward == set()  # the gradient came, stage 2's piece has not
+    assert inbox.pieces_missing(ready) == (
+        "; gradients came, tied gradients did not, for microbatch 0 from rank 2"
+    )
     stranger = Message("tied", 1, 0, 0, 0, [torch.zeros(V, D)], {"keys": [0]})
     assert inbox.handle([stranger], ready) == 0
     assert inbox.stats.rejected == 1 and ready.backward == set()
     piece = Message("tied", 2, 0, 0, 0, [torch.ones(V, D)], {"keys": [0]})
     assert inbox.handle([piece], ready) == 1
     assert ready.backward == {0}
+    assert inbox.pieces_missing(ready) == ""
     assert inbox.handle([piece], ready) == 0  # a duplicate
     assert inbox.stats.rejected == 2
     keys, tensors = inbox.pieces[0][2]
