@@ -17,9 +17,10 @@ thread each:
   * myelin whole per rank: every rank calls `from_pretrained(folder)` and hands the whole
     model to `Trainer(model, stages=2)` (what was possible before `weights=`).
   The peak at load alone says little: transformers 5 maps safetensors files and reads a
-  tensor's pages when first touched. A pipeline rank's RSS also counts the transport's
-  shared-memory segments (256 MiB per neighbour and direction, committed at the first
-  send, shared with the neighbour); "less shared" takes them out.
+  tensor's pages when first touched (myelin's `weights=` reads its stage's tensors into
+  its parameters at once). A pipeline rank's RSS also counts the transport's
+  shared-memory segments (committed as slots reach into them, shared with the
+  neighbour); "less shared" takes them out.
 - speed: tokens/s of `Trainer(model)` at stages=1 against plain HF in the same process,
   on the same model and the same batches (2 microbatches of gradient accumulation, HF's
   loss with num_items_in_batch), alternating step by step, the order reversed every other

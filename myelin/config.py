@@ -23,6 +23,8 @@ __all__ = [
     "flight_dir_of",
 ]
 
+TIED_GRADS = ("step", "microbatch")  # how tied parameters' gradients are added (tied.py)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineConfig:
@@ -43,6 +45,11 @@ class PipelineConfig:
         every stage on its local GPU, else the CPU.
     cpu_threads: torch's intra-op threads on each rank computing on the CPU: one int for
         every such stage, or one entry (int or None: torch's default) per stage.
+    tied_grads: how the gradients of parameters that several stages hold (an embedding
+        tied to the LM head) are added: "step" sums each holder's gradient once per step
+        (one all-reduce; equal to one process up to rounding), "microbatch" sends each
+        later holder's gradient of every microbatch to the first holder, which adds it as
+        one process does (bit for bit; one tied gradient per microbatch on the wire).
     """
 
     stages: int = 1
@@ -56,6 +63,7 @@ class PipelineConfig:
     sync: Any = "allreduce"
     stage_devices: tuple[str, ...] | None = None
     cpu_threads: int | tuple[int | None, ...] | None = None
+    tied_grads: str = "step"
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "data_parallel"):
@@ -88,6 +96,11 @@ class PipelineConfig:
         object.__setattr__(self, "sync", sync)
         self._check_stage_devices()
         self._check_cpu_threads()
+        if self.tied_grads not in TIED_GRADS:
+            raise ConfigError(
+                f"tied_grads={self.tied_grads!r} must be 'step' (sum once per step) or "
+                f"'microbatch' (add per microbatch, bit for bit with one process)"
+            )
 
     def _check_stage_devices(self) -> None:
         devices = self.stage_devices

@@ -24,6 +24,7 @@ from myelin.errors import ConfigError, PartitionError
 from myelin.init import is_meta, materialize
 from myelin.partition import StageModule, cross_stage_ties, layers_of, stage_module
 from myelin.runtime.group import Layout, World, new_groups, pick_device, this_rank
+from myelin.runtime.tied import Tied
 
 __all__ = [
     "Tied",
@@ -34,8 +35,6 @@ __all__ = [
     "stage_device",
     "stage_modules",
 ]
-
-Tied = tuple[Any, list[nn.Parameter]]  # (process group, the parameters several stages hold)
 
 
 def stage_modules(model: Any, config: PipelineConfig) -> list[nn.Module]:
@@ -49,9 +48,10 @@ def place_stage(model: Any, config: PipelineConfig, world: World) -> tuple[nn.Mo
     cfg = config
     module = stage_module(model, cfg.stages, world.stage, cfg.partition)
     ties = cross_stage_ties(model, cfg.stages, cfg.partition) if cfg.stages > 1 else {}
+    order = _parameter_order(model) if ties else {}
     _check_ties_share_a_device_type(cfg, ties)
     names = {
-        stages: [n for n, p in module.named_parameters() if id(p) in ids]
+        stages: [(n, order[id(p)]) for n, p in module.named_parameters() if id(p) in ids]
         for stages, ids in ties.items()
         if world.stage in stages
     }
@@ -65,12 +65,12 @@ def place_stage(model: Any, config: PipelineConfig, world: World) -> tuple[nn.Mo
     module = module.to(world.device)
     tied = []
     for stages, group in groups.items():
-        params = [module.get_parameter(n) for n in names[stages]]
+        params = [module.get_parameter(n) for n, _ in names[stages]]
         if materialized:  # each owner initialised its copy: take the first stage's
             src = world.layout.rank_of(stages[0], world.replica)
             for p in params:
                 dist.broadcast(p.data, src, group=group)
-        tied.append((group, params))
+        tied.append(Tied(group, params, stages, [key for _, key in names[stages]]))
     return module, tied
 
 
@@ -121,6 +121,12 @@ def _layers_or_whole(model: Any) -> list[nn.Module]:
         return layers_of(model)
     except PartitionError:
         return [model]
+
+
+def _parameter_order(model: Any) -> dict[int, int]:
+    """id(parameter) -> its position in the whole model's parameters, the same on every rank."""
+    whole = model if isinstance(model, nn.Module) else StageModule(list(model))
+    return {id(p): i for i, p in enumerate(whole.parameters())}
 
 
 def parameter_names(model: Any, config: PipelineConfig, stage: int) -> dict[str, str]:

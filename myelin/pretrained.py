@@ -7,8 +7,9 @@
 The folder is what `save_pretrained` writes and `from_pretrained` reads: config.json, and
 model.safetensors or model-0000i-of-0000n.safetensors with model.safetensors.index.json
 naming each tensor's file. Tensors carry the whole model's state_dict keys. Reading opens
-only the files holding this stage's tensors and copies only those tensors (safetensors
-maps the file and reads what is asked), so a rank never holds another stage's weights.
+only the files holding this stage's tensors and reads only those tensors' bytes, straight
+into the stage's own (no mapping of the file, no copy), so a rank never holds another
+stage's weights, nor its own twice.
 A tensor tied under several keys (an embedding and its LM head) is written once, under
 its first key, as HuggingFace writes it.
 """
@@ -106,15 +107,21 @@ def load(module: nn.Module, names: dict[str, list[str]], path: str | os.PathLike
     problems = [f"missing: {m}" for m in missing]
     with torch.no_grad():
         for file in sorted(plan):
+            # safetensors checks the file; the bytes are read straight into the stage's
+            # tensors, not through its mapping of the file (whose pages would count in
+            # this rank's resident memory while it is open) nor through a copy.
             with safe_open(str(folder / file), framework="pt", device="cpu") as f:
+                shapes = {key: tuple(f.get_slice(key).get_shape()) for _, key in plan[file]}
+            with open(folder / file, "rb") as fh:
+                header, base = _header(fh)
                 for local, key in plan[file]:
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(mine[local].shape):
+                    if shapes[key] != tuple(mine[local].shape):
                         problems.append(
-                            f"{key}: the folder has {shape}, the model {tuple(mine[local].shape)}"
+                            f"{key}: the folder has {shapes[key]}, the model "
+                            f"{tuple(mine[local].shape)}"
                         )
                         continue
-                    mine[local].copy_(f.get_tensor(key))
+                    _read_into(fh, base, header[key], mine[local], folder / file, key)
     if problems:
         raise CheckpointError(
             f"{folder} does not match this stage of the model:\n  "
@@ -200,6 +207,46 @@ def _index(folder: Path) -> dict[str, str]:
 
     with safe_open(str(folder / SINGLE), framework="pt", device="cpu") as f:
         return dict.fromkeys(f.keys(), SINGLE)
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _header(fh: Any) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (already checked by safetensors) and where data starts."""
+    size = int.from_bytes(fh.read(8), "little")
+    return json.loads(fh.read(size)), 8 + size
+
+
+def _read_into(
+    fh: Any, base: int, entry: dict[str, Any], target: torch.Tensor, path: Path, key: str
+) -> None:
+    """Read one tensor's bytes from the file into `target` (through a buffer of the file's
+    dtype only when the dtypes differ)."""
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointError(f"{path}: {key} has dtype {entry['dtype']}, which myelin cannot read")
+    start, end = entry["data_offsets"]
+    direct = dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"
+    buf = target if direct else torch.empty(target.shape, dtype=dtype)
+    if end > start:
+        fh.seek(base + start)
+        got = fh.readinto(buf.reshape(-1).view(torch.uint8).numpy())
+        if got != end - start:
+            raise CheckpointError(f"{path}: {key} is cut short ({got} of {end - start} bytes)")
+    if not direct:
+        target.copy_(buf)
 
 
 def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:

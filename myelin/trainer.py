@@ -137,6 +137,7 @@ class Trainer:
         sync: Any = "allreduce",
         stage_devices: Sequence[str | torch.device] | None = None,
         cpu_threads: int | Sequence[int | None] | None = None,
+        tied_grads: str = "step",
     ) -> None:
         self.seed = torch.initial_seed()  # the layers' random streams derive from it
         self.config = cfg = PipelineConfig(
@@ -151,6 +152,7 @@ class Trainer:
             sync=sync,
             stage_devices=stage_devices,
             cpu_threads=cpu_threads,
+            tied_grads=tied_grads,
         )
         model, self._compile_layer = compiled.unwrap(model)
         loss_fn = hf.own_loss(model) if loss_fn is None else loss_fn
@@ -264,7 +266,11 @@ class Trainer:
             self.transport,
             make_policy(cfg.schedule, cfg.inflight),
             self.updater,
-            LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout)),
+            LoopConfig(
+                microbatches=cfg.microbatches,
+                timeout_s=float(cfg.timeout),
+                tied_grads=cfg.tied_grads,
+            ),
             self.timeline,
             tied=tied,
             budget=self.budget,

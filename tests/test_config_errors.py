@@ -180,6 +180,7 @@ TRAINER = [
     bad("device='nope'", "not a device torch knows", device="nope"),
     bad("device=1.5", "a string like 'cuda:0' or 'cpu'", device=1.5),
     bad("device='cuda:99'", device="cuda:99"),  # names the CUDA devices there are, if any
+    bad("tied_grads='exact'", "'step'", "'microbatch'", tied_grads="exact"),
     # resume: a checkpoint directory
     bad("resume=5", "checkpoint directory", resume=5),
     bad(

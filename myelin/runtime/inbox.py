@@ -4,7 +4,8 @@ The inbox polls the transport: at once after each operation (a `recv` span when 
 message came), or waiting when nothing is ready (a `wait` span, idle time with its
 cause, named `1RECV_B2` after the message that ended it). A message for the current
 step is taken: an activation makes a forward ready, a gradient (with its microbatch's
-loss) a backward, the last stage's evaluation loss ends an evaluation. A message for
+loss) a backward (with `tied_grads="microbatch"`, once the later holders' pieces of tied
+gradients came too), the last stage's evaluation loss ends an evaluation. A message for
 the next step (a neighbour ran ahead) is kept for it, but only if addressed to this
 stage, and only so many. Anything else (stale, duplicate, misaddressed, out of range,
 from a rank that is not the neighbour) is dropped, counted in `LoopStats.rejected` and
@@ -28,6 +29,7 @@ from myelin.runtime.messages import Message
 from myelin.runtime.outbox import message_span
 from myelin.runtime.schedule import Ready
 from myelin.runtime.stage import Stage
+from myelin.runtime.tied import MicrobatchTies
 
 __all__ = ["Inbox", "LoopStats"]
 
@@ -58,6 +60,7 @@ class Inbox:
         timeline: Timeline,
         flight: FlightRecorder,
         liveness: Any = None,
+        ties: MicrobatchTies | None = None,
     ) -> None:
         self.stage = stage
         self.world = world
@@ -73,6 +76,8 @@ class Inbox:
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}  # by microbatch, for forwards
         self.grads: dict[int, tuple[list[torch.Tensor], list[int], float]] = {}  # for backwards
         self.rows: dict[int, int] = {}  # rows of each microbatch of a batch split unevenly
+        self.ties = ties  # tied gradients added per microbatch: their pieces come first
+        self.pieces: dict[int, dict[int, tuple[list[int], list[torch.Tensor]]]] = {}
         self._arrived: set[tuple[str, int]] = set()
 
     def begin(self, step: int, ready: Ready, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
@@ -81,6 +86,7 @@ class Inbox:
         self.inputs = inputs
         self.grads = {}
         self.rows = {}
+        self.pieces = {}
         self._arrived = set()
         early, self.early = self.early, []
         self.handle(early, ready)
@@ -174,6 +180,9 @@ class Inbox:
         if msg.kind == "activation":
             if stage.is_first or msg.src != self.world.peer(stage.index - 1):
                 return "activation from a rank that is not the previous stage"
+        elif msg.kind == "tied":
+            if self._source(msg) is None:
+                return "tied gradients from a rank that shares no parameters with this stage"
         elif stage.is_last or msg.src != self.world.peer(stage.index + 1):
             return "gradient from a rank that is not the next stage"
         return None
@@ -192,8 +201,9 @@ class Inbox:
                 return False
             ready.loss = value
             return True
-        if (msg.kind, mb) in self._arrived:
-            self.reject(msg, f"duplicate {msg.kind} for microbatch {mb}")
+        what = f"tied from {msg.src}" if msg.kind == "tied" else msg.kind
+        if (what, mb) in self._arrived:
+            self.reject(msg, f"duplicate {what} for microbatch {mb}")
             return False
         if msg.kind == "activation":
             self._arrived.add(("activation", mb))
@@ -201,8 +211,10 @@ class Inbox:
             ready.forward.add(mb)
             return True
         if not self.stage.in_flight(mb):
-            self.reject(msg, f"gradient for microbatch {mb}, which this stage has not run")
+            self.reject(msg, f"{msg.kind} for microbatch {mb}, which this stage has not run")
             return False
+        if msg.kind == "tied":
+            return self._accept_pieces(msg, ready)
         index, loss = msg.meta.get("index"), msg.meta.get("loss")
         if not isinstance(index, list) or any(type(i) is not int for i in index):
             raise MyelinError(
@@ -224,8 +236,49 @@ class Inbox:
         self.grads[mb] = (msg.tensors, index, loss)
         if rows is not None:
             self.rows[mb] = rows
-        ready.backward.add(mb)
+        self._maybe_ready(mb, ready)
         return True
+
+    def _source(self, msg: Message) -> int | None:
+        """The stage that sent a `tied` message, if it shares parameters with this one."""
+        sources = self.ties.sources if self.ties is not None else ()
+        return next((s for s in sources if self.world.peer(s) == msg.src), None)
+
+    def _accept_pieces(self, msg: Message, ready: Ready) -> bool:
+        """Take a later holder's pieces of tied gradients for one microbatch."""
+        source, keys = self._source(msg), msg.meta.get("keys")
+        why = self.ties.check(source, keys, msg.tensors)
+        if why is not None:
+            raise MyelinError(
+                f"rank {self.world.rank}: tied gradients of microbatch {msg.microbatch} from "
+                f"rank {msg.src}: {why}"
+            )
+        self._arrived.add((f"tied from {msg.src}", msg.microbatch))
+        self.pieces.setdefault(msg.microbatch, {})[source] = (keys, msg.tensors)
+        self._maybe_ready(msg.microbatch, ready)
+        return True
+
+    def _maybe_ready(self, mb: int, ready: Ready) -> None:
+        """A backward is ready once its gradient came, and every later holder's pieces of
+        tied gradients when they are added per microbatch."""
+        if mb not in self.grads:
+            return
+        if self.ties is None or self.ties.sources <= set(self.pieces.get(mb, ())):
+            ready.backward.add(mb)
+
+    def pieces_missing(self, ready: Ready) -> str:
+        """For a deadline's message: the backwards whose gradient came but whose pieces of
+        tied gradients did not (and from which ranks), or ""."""
+        if self.ties is None:
+            return ""
+        waiting = []
+        for mb in sorted(set(self.grads) - ready.backward):
+            missing = sorted(self.ties.sources - set(self.pieces.get(mb, ())))
+            ranks = ", ".join(str(self.world.peer(s)) for s in missing)
+            waiting.append(f"microbatch {mb} from rank {ranks}")
+        if not waiting:
+            return ""
+        return f"; gradients came, tied gradients did not, for {'; '.join(waiting)}"
 
     def _on_abort(self, msg: Message) -> None:
         """Another rank failed: raise its error here, as PeerLostError if a peer was lost."""

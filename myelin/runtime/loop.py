@@ -7,8 +7,9 @@ One step of training on one rank:
    `max_inflight` microbatches;
 3. run the ready operation the policy picks (backward first, oldest first);
 4. hand outputs to the transport without waiting for the send;
-5. when every backward of the step has run here, let the replicas agree (average
-   gradients across data-parallel replicas), step the optimizer, and return the loss.
+5. when every backward of the step has run here, sum the gradients of parameters other
+   stages hold too (tied.py), let the replicas agree (average gradients across
+   data-parallel replicas), step the optimizer, and return the loss.
 
 Evaluation is the same drive loop under the forward-only policy. `inbox.py` sorts arrived
 messages, `outbox.py` sends outputs, replicas agree through a `myelin/replicas/` strategy.
@@ -37,6 +38,7 @@ from myelin.runtime.messages import Message
 from myelin.runtime.outbox import Outbox
 from myelin.runtime.schedule import Action, ForwardOnly, Policy, Ready
 from myelin.runtime.stage import InputMismatch, Stage, as_tuple
+from myelin.runtime.tied import MicrobatchTies, Tied
 from myelin.runtime.waits import describe_wait, misfit
 
 __all__ = ["LoopConfig", "LoopStats", "EventLoop"]
@@ -51,6 +53,7 @@ class LoopConfig:
     microbatches: int
     timeout_s: float
     poll_s: float = 0.05
+    tied_grads: str = "step"  # "microbatch": tied gradients added per microbatch (tied.py)
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:
@@ -71,7 +74,7 @@ class EventLoop:
         updater: Updater | None,
         config: LoopConfig,
         timeline: Timeline | None = None,
-        tied: list[tuple[Any, list[torch.nn.Parameter]]] | None = None,
+        tied: list[Tied] | None = None,
         budget: DeviceBudget | None = None,
         *,
         flight: FlightRecorder | None = None,
@@ -90,7 +93,9 @@ class EventLoop:
         self.stats = LoopStats()
         self.flight = flight or FlightRecorder(world.rank)
         self.liveness = liveness  # heartbeats (runtime/liveness.py), when peers exist
-        self.tied = tied or []  # (group, parameters) shared with other stages of this replica
+        self.tied = tied or []  # parameters shared with other stages of this replica
+        per_mb = self.tied and config.tied_grads == "microbatch"
+        self.ties = MicrobatchTies(stage.index, self.tied) if per_mb else None
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         if replicas is None and world.dp_group is not None:
             replicas = AllReduceReplicas(world.dp_group, world.layout.data_parallel, world.waits)
@@ -105,6 +110,7 @@ class EventLoop:
             timeline=self.timeline,
             flight=self.flight,
             liveness=liveness,
+            ties=self.ties,
         )
         self.outbox = Outbox(
             stage.index, stage.device, world, transport, self.timeline, self.flight
@@ -140,10 +146,15 @@ class EventLoop:
             self._drain_sends()
         except BaseException:
             stage.clear()
+            if self.ties is not None:
+                self.ties.clear()
             raise
         loss = self._mean(self._losses, self.inbox.rows)
         self.flight.now(f"reducing gradients at the end of step {step}")
-        self._sum_tied()
+        for tie in self.tied:  # each holder applies the same update: the copies stay equal
+            start = self.timeline.now()
+            sum_gradients(self.updater.grads.holders_of(tie.params), tie.group, self.world.waits)
+            self._collective(f"{self.stage.index}TIED", start)
         loss = self._agree(loss, train=True)
         if self.updater is not None:
             self.flight.now(f"in the optimizer step of step {step}")
@@ -242,7 +253,8 @@ class EventLoop:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 waited = time.monotonic() - last_progress
-                raise DeadlineError(describe_wait(self.world, self._step, ready, waited, policy))
+                why = describe_wait(self.world, self._step, ready, waited, policy)
+                raise DeadlineError(why + self.inbox.pieces_missing(ready))
 
     def _share(self, mb: int) -> float | None:
         """Microbatch `mb`'s share of the batch's rows when it split unevenly (else None)."""
@@ -304,8 +316,13 @@ class EventLoop:
         ready.backward.discard(mb)
         grads, index, loss = self.inbox.grads.pop(mb)
         self._before_backward(mb, ready)
+        if self.ties is not None:
+            self.ties.before_backward(self.inbox.pieces.pop(mb, {}))
         with self.timeline.op("backward", str(action), self._step, microbatch=mb):
             in_grads, in_index = stage.backward(mb, grads, index)
+        if self.ties is not None:  # this stage's pieces of tied gradients, to their first holder
+            for dest, keys, pieces in self.ties.after_backward():
+                self.outbox.send(self._step, dest, "tied", mb, pieces, {"keys": keys})
         self._record_waits()
         self._prefetch()
         self._losses[mb] = loss
@@ -403,26 +420,8 @@ class EventLoop:
 
     def _drain_sends(self) -> None:
         """Wait until this step's messages have left, so none is stranded at the step's end."""
-        if self.transport is None:
-            return
-        deadline = time.monotonic() + self.config.timeout_s
-        self.outbox.finish_copies()
-        while self.transport.pending_sends():
-            if time.monotonic() > deadline:
-                raise DeadlineError(
-                    f"rank {self.world.rank} (stage {self.stage.index}): step {self._step}'s "
-                    f"messages were not taken by their peers within {self.config.timeout_s:.0f}s"
-                )
-            self.inbox.handle(self.inbox.wait(0.001), None)
-        self.outbox.release()
-
-    def _sum_tied(self) -> None:
-        """Sum the gradients of parameters that several stages hold (a tied embedding),
-        so each holder applies the same update and the copies stay equal."""
-        for group, params in self.tied:
-            start = self.timeline.now()
-            sum_gradients(self.updater.grads.holders_of(params), group, self.world.waits)
-            self._collective(f"{self.stage.index}TIED", start)
+        if self.transport is not None:
+            self.outbox.drain(self._step, self.config.timeout_s, self.inbox)
 
     def _agree(self, loss: float, train: bool) -> float:
         """The replicas agree on the loss, and after training on the gradients."""

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-KINDS = ("activation", "gradient", "control")
+KINDS = ("activation", "gradient", "tied", "control")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -10,10 +10,12 @@ staging buffers go back to the pool once the step's sends have left. Each send i
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
+from myelin.errors import DeadlineError
 from myelin.offload.pool import HostPool
 from myelin.profile.timeline import Timeline
 from myelin.runtime.flight import FlightRecorder
@@ -95,6 +97,20 @@ class Outbox:
         for event, _, _ in self._queue:
             event.synchronize()
         self.flush()
+
+    def drain(self, step: int, timeout_s: float, inbox: Any) -> None:
+        """Wait until this step's messages have left (the `inbox` takes what arrives
+        meanwhile), so none is stranded at the step's end; then release the staging."""
+        deadline = time.monotonic() + timeout_s
+        self.finish_copies()
+        while self.transport.pending_sends():
+            if time.monotonic() > deadline:
+                raise DeadlineError(
+                    f"rank {self.world.rank} (stage {self.stage}): step {step}'s messages "
+                    f"were not taken by their peers within {timeout_s:.0f}s"
+                )
+            inbox.handle(inbox.wait(0.001), None)
+        self.release()
 
     def release(self) -> None:
         """Give the staging buffers back, once the step's messages have left."""

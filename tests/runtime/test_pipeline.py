@@ -116,21 +116,26 @@ def test_offload_changes_nothing_on_two_stages(tmp_path):
     gpipe = _offload_cases("gpt:2:1:gpipe:ipc:fixed")
     varied = _offload_cases("gpt:2:1:message-driven:ipc:varied")
     tied = ["hf:2:1:1f1b:ipc:fixed:eager:none", "hf:2:1:1f1b:ipc:fixed:eager:both"]
+    exact = [f"{case}:fp32:microbatch" for case in tied]  # GPT-2's tie added per microbatch
     half = [_offload_cases("gpt:2:1:1f1b:ipc:fixed", ("none", "both"), p) for p in HALF]
-    cases = gpipe + varied + tied
+    cases = gpipe + varied + tied + exact
     job = launch(2, "equivalence.py", cases + sum(half, []), tmp_path, timeout=240)
     _check(job, cases, 2)
-    for group in (gpipe, varied, tied, *half):
+    for group in (gpipe, varied, tied, exact, *half):
         _identical(job, group)
-    for group in (gpipe, varied, tied, *half):
+    for group in (gpipe, varied, tied, exact, *half):
         _paged(job, group[-1])
+    for res in job.results.values():  # one process's bits, offloaded or not
+        assert all(res[c]["param_diff"] == 0.0 for c in exact), exact
+        assert all(res[c]["losses"] == res[c]["ref_losses"] for c in exact), exact
 
 
 def test_offload_changes_nothing_on_four_processes(tmp_path):
     four = _offload_cases("gpt:4:1:1f1b:ipc:fixed")
     replicas = ["gpt:2:2:1f1b:tcp:varied:eager:none", "gpt:2:2:1f1b:tcp:varied:eager:both"]
+    tied = ["hf:2:2:1f1b:tcp:varied:eager:none:fp32:microbatch"]  # each replica's own pieces
     half = _offload_cases("gpt:4:1:message-driven:ipc:fixed", ("none", "both"), "fp16")
-    cases = four + replicas
+    cases = four + replicas + tied
     job = launch(4, "equivalence.py", cases + half, tmp_path, timeout=240)
     _check(job, cases, 4)
     for group in (four, replicas, half):

@@ -1,13 +1,15 @@
 """Train cases with myelin and with one process doing gradient accumulation; record both.
 
 Run by tests/runtime/test_pipeline.py as `myelin run -n N equivalence.py --out DIR CASE...`,
-where CASE is model:stages:data_parallel:schedule:transport:lengths[:init[:offload[:precision]]],
+where CASE is
+model:stages:data_parallel:schedule:transport:lengths[:init[:offload[:precision[:tied_grads]]]],
 e.g.
 `gpt:2:1:1f1b:tcp:varied` or `hf:2:1:message-driven:ipc:fixed:meta` (built under
 myelin.init_empty(); the reference is the eager model given myelin.init_layers), or
 `gpt:2:1:gpipe:ipc:fixed:eager:both` (offload one of OFFLOAD's keys), or
 `gpt:2:1:1f1b:ipc:fixed:eager:both:bf16` (the reference stays fp32: compare such cases
-with each other).
+with each other), or `hf:2:1:1f1b:ipc:fixed:eager:none:fp32:microbatch` (GPT-2's tied
+embedding and head added per microbatch).
 Every case must use all N processes.
 """
 
@@ -161,6 +163,7 @@ def run_case(case):
     init = more[0] if more else "eager"
     offload = OFFLOAD[more[1] if len(more) > 1 else "none"]
     precision = more[2] if len(more) > 2 else "fp32"
+    tied_grads = more[3] if len(more) > 3 else "step"
     if init == "meta":
         with myelin.init_empty():
             model, loss_fn = build(name)
@@ -178,6 +181,7 @@ def run_case(case):
         timeout=60,
         offload=offload,
         precision=precision,
+        tied_grads=tied_grads,
     )
     with trainer:
         losses = [trainer.step(*batch(name, s, trainer.replica, varied)) for s in range(STEPS)]

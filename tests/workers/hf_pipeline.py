@@ -9,7 +9,9 @@ where CASE is family:stages[:how] and how is
   checkpointing   model.gradient_checkpointing_enable() before wrapping;
   whole           one microbatch per step;
   compiled        passed as torch.compile(model, backend="aot_eager"): each stage compiles
-                  its blocks (aot_eager keeps eager numerics, so results stay bit for bit).
+                  its blocks (aot_eager keeps eager numerics, so results stay bit for bit);
+  step            tied_grads="step" (tied gradients summed once per step, not bit for bit);
+                  every other case runs with tied_grads="microbatch".
 Every case uses all N processes (stages = N).
 """
 
@@ -65,6 +67,7 @@ def run_case(case, scratch):
             microbatches=microbatches,
             weights=weights,
             timeout=60,
+            tied_grads="step" if how == "step" else "microbatch",
         )
     finally:
         safetensors.safe_open = real_open
@@ -93,6 +96,7 @@ def run_case(case, scratch):
         if state is not None:
             want = reference.state_dict()
             result["param_diff"] = fam.max_diff(state, want)
+            result["param_equal"] = all(torch.equal(state[k], want[k]) for k in want)
             fresh = fam.build(family)
             fresh.load_state_dict(state, strict=True)
             loaded = tf.AutoModelForCausalLM.from_pretrained(out)
