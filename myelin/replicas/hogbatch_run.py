@@ -34,7 +34,7 @@ from myelin.replicas.hogbatch_worker import pack, unpack
 if TYPE_CHECKING:
     from myelin.replicas.hogbatch import Hogbatch
 
-__all__ = ["run"]
+__all__ = ["Run", "params_of", "run"]
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -54,41 +54,80 @@ def run(
     on_epoch: Any = None,
 ) -> dict[str, Any]:
     """Train with Hogbatch's workers (see the module docstring); the report."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    workers = 1 + cfg.cpu_workers
-    ctx = mp.get_context("spawn")
-    store = SharedModel.create(params, workers, ctx.Lock() if cfg.lock else None)
-    ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
-                     budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
-    first_epoch = 0
-    if resume is not None:
-        store.weights.copy_(resume["weights"])
-        ctl.load_state_dict(resume["controller"])
-        first_epoch = int(resume["epoch"])
-    x, y = (t.detach().cpu().contiguous().share_memory_() for t in data)
-    host_model = copy.deepcopy(model).cpu()
-    job = {"model": host_model, "loss_fn": loss_fn, "lr": lr, "weight_decay": weight_decay,
-           "device": cfg.device, "threads": cfg.cpu_threads, "seed": cfg.seed,
-           "data_seed": cfg.seed, "timeout_s": cfg.timeout_s, "record": cfg.record,
-           "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
-           "emulate": cfg.emulate or (None, None)}  # fmt: skip
-    runner = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
-    eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
-    evaluator = _Evaluator(eval_model, loss_fn, eval_data or (x, y), params_of(eval_model))
-    try:
-        runner.start(ctx, job, (x, y))
-        runner.drive(evaluator, on_epoch)
-        runner.stop()
-    finally:
-        runner.kill()
-        evaluator.close()
-    store.load_into(params)
-    report = runner.report()
-    report["evals"] = evaluator.results()
-    done = runner.disp.completed
-    report["state"] = {"weights": store.snapshot(), "controller": ctl.state_dict(),
-                       "epoch": max(done) + 1 if done else first_epoch}  # fmt: skip
-    return report
+    live = Run(cfg, model, loss_fn, data, lr=lr, weight_decay=weight_decay, epochs=epochs,
+               eval_data=eval_data, resume=resume)  # fmt: skip
+    return live.train(lambda epoch, wall_s: on_epoch(epoch, wall_s) if on_epoch else None)
+
+
+class Run:
+    """One run, set up and not started: its shared model (`store`), its rule (`ctl`) and
+    its workers (`runner`). `train` runs it; `on_epoch` may look at all three meanwhile
+    (Trainer.fit's checkpoints take the weights and the rule's state there)."""
+
+    def __init__(
+        self,
+        cfg: Hogbatch,
+        model: torch.nn.Module,
+        loss_fn: Any,
+        data: tuple[torch.Tensor, torch.Tensor],
+        *,
+        lr: float,
+        weight_decay: float,
+        epochs: int,
+        eval_data: tuple[torch.Tensor, torch.Tensor] | None,
+        resume: dict[str, Any] | None,
+    ) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ctx = mp.get_context("spawn")
+        self.store = SharedModel.create(self.params, 1 + cfg.cpu_workers,
+                                        self.ctx.Lock() if cfg.lock else None)  # fmt: skip
+        self.ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
+                              budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
+        self.first_epoch = 0
+        if resume is not None:
+            self.store.weights.copy_(resume["weights"])
+            self.ctl.load_state_dict(resume["controller"])
+            self.first_epoch = int(resume["epoch"])
+        self.data = tuple(t.detach().cpu().contiguous().share_memory_() for t in data)
+        host_model = copy.deepcopy(model).cpu()
+        self.job = {"model": host_model, "loss_fn": loss_fn, "lr": lr,
+                    "weight_decay": weight_decay, "device": cfg.device,
+                    "threads": cfg.cpu_threads, "seed": cfg.seed, "data_seed": cfg.seed,
+                    "timeout_s": cfg.timeout_s, "record": cfg.record,
+                    "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
+                    "emulate": cfg.emulate or (None, None)}  # fmt: skip
+        disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch)
+        self.runner = _Run(cfg, self.ctl, self.store, disp)
+        eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
+        self.evaluator = _Evaluator(eval_model, loss_fn, eval_data or self.data,
+                                    params_of(eval_model))  # fmt: skip
+
+    def train(self, on_epoch: Any = None) -> dict[str, Any]:
+        """Start the workers, train every epoch, stop them; the model given holds the
+        shared weights after; the report (with `evals` and `state`)."""
+        try:
+            self.runner.start(self.ctx, self.job, self.data)
+            self.runner.drive(self.evaluator, on_epoch)
+            self.runner.stop()
+        finally:
+            self.runner.kill()
+            self.evaluator.close()
+        self.store.load_into(self.params)
+        report = self.runner.report()
+        report["evals"] = self.evaluator.results()
+        report["state"] = self.state()
+        return report
+
+    def state(self) -> dict[str, Any]:
+        """What `resume=` continues from: the weights, the rule's state, the next epoch
+        (the one after the last completed: its updates already made stay in the weights)."""
+        done = self.runner.disp.completed
+        return {"weights": self.store.snapshot(), "controller": self.ctl.state_dict(),
+                "epoch": max(done) + 1 if done else self.first_epoch}  # fmt: skip
+
+    def updates(self) -> int:
+        """Updates every worker has added so far."""
+        return sum(s["updates"] for s in self.runner.stats)
 
 
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -120,6 +159,15 @@ class _Evaluator:
     def results(self) -> list[dict[str, float]]:
         """Each epoch's loss, in epoch order: epoch, wall seconds at the copy, loss."""
         return [{"epoch": e, "wall_s": w, "loss": f.result()} for e, w, f in self.futures]
+
+    def finished(self, start: int) -> list[dict[str, float]]:
+        """The results from the `start`-th on whose evaluation is over, in order; no wait."""
+        out = []
+        for e, w, f in self.futures[start:]:
+            if not f.done():
+                break
+            out.append({"epoch": e, "wall_s": w, "loss": f.result()})
+        return out
 
     def close(self) -> None:
         """Finish what was submitted and end the thread."""
