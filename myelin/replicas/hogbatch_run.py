@@ -3,7 +3,7 @@
 Order of events: the model's trainable parameters become one shared fp32 segment
 (hogbatch_store); worker 0 (the device) and workers 1..N (CPU) are spawned with it and the
 dataset (shared memory too; their environment loses the rendezvous variables, as the hub's
-does); each says `ready`. Then, until every epoch is done: every idle worker gets a range
+does); each says `ready`. Then, until every epoch is done: every worker holds AHEAD ranges
 (the device's batch from the adaptive rule, a CPU worker's `cpu_batch`), each `done`
 feeds the rule and the counters, and each completed epoch's weights are copied and
 evaluated in a thread, off the training path. A worker that dies is a PeerLostError or has
@@ -17,6 +17,7 @@ import copy
 import os
 import statistics
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,13 @@ from myelin.replicas.hogbatch_worker import pack, unpack
 if TYPE_CHECKING:
     from myelin.replicas.hogbatch import Hogbatch
 
-__all__ = ["Run", "params_of", "run"]
+__all__ = ["AHEAD", "Run", "params_of", "run"]
+
+# Ranges a worker holds at once: the one it trains and the next, already in its pipe, so
+# it never waits a round trip through the runner between updates (in real mode, tiny CPU
+# batches spent more time on that wait than on their gradient). The queued range's batch
+# is the rule's choice when it was sent, one device batch behind its latest.
+AHEAD = 2
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -182,7 +189,7 @@ class _Run:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.alive: set[int] = set()
-        self.busy: dict[int, tuple[Range, float]] = {}  # worker -> (range, sent at)
+        self.busy: dict[int, deque[Range]] = {}  # worker -> its ranges, oldest (in work) first
         n = 1 + cfg.cpu_workers
         self.stats = [{"updates": 0, "samples": 0, "busy_s": 0.0, "tau": []} for _ in range(n)]
         self.batches: list[tuple[float, int]] = []  # (wall s, device batch) when it changed
@@ -232,7 +239,7 @@ class _Run:
             ]
             ready = wait(watch, timeout=self.cfg.timeout_s)
             if not ready:
-                late = {w: str(r) for w, (r, _) in self.busy.items()}
+                late = {w: [str(r) for r in q] for w, q in self.busy.items() if q}
                 raise DeadlineError(
                     f"Hogbatch: no worker answered for {self.cfg.timeout_s}s; busy: {late}"
                 )
@@ -261,19 +268,21 @@ class _Run:
         self.wall_s = time.perf_counter() - self.t0
 
     def _assign(self) -> None:
-        for w in sorted(self.alive - set(self.busy)):
-            batch = self.ctl.batch if w == 0 else self.cfg.cpu_batch
-            r = self.disp.take(w, batch)
-            if r is None:
-                continue
-            self.conns[w].send_bytes(pack({"op": "train", **r._asdict()}))
-            self.busy[w] = (r, time.perf_counter())
-        if not self.busy and not self.disp.all_done():
+        for w in sorted(self.alive):
+            queue = self.busy.setdefault(w, deque())
+            while len(queue) < AHEAD:
+                batch = self.ctl.batch if w == 0 else self.cfg.cpu_batch
+                r = self.disp.take(w, batch)
+                if r is None:
+                    break
+                self.conns[w].send_bytes(pack({"op": "train", **r._asdict()}))
+                queue.append(r)
+        if not any(self.busy.values()) and not self.disp.all_done():
             raise PeerLostError(-1, "training", "Hogbatch: no worker is left to train")
 
     def _done(self, w: int, msg: dict[str, Any], evaluator: _Evaluator) -> None:
         self._check(w, msg, "done")
-        r, _ = self.busy.pop(w)
+        r = self.busy[w].popleft()  # a worker trains its ranges in the order sent
         st = self.stats[w]
         st["updates"] += 1
         st["samples"] += r.count
@@ -295,7 +304,7 @@ class _Run:
     def _lost(self, w: int) -> None:
         code = self.procs[w].exitcode
         self.alive.discard(w)
-        r = self.busy.pop(w, (None, 0))[0]
+        r = list(self.busy.pop(w, ()))
         if self.cfg.on_worker_loss == "raise":
             raise PeerLostError(
                 w, f"training {r}", f"Hogbatch worker {w} died (exit code {code}) training {r}"
