@@ -128,9 +128,13 @@ class Run:
     def state(self) -> dict[str, Any]:
         """What `resume=` continues from: the weights, the rule's state, the next epoch
         (the one after the last completed: its updates already made stay in the weights)."""
-        done = self.runner.disp.completed
         return {"weights": self.store.snapshot(), "controller": self.ctl.state_dict(),
-                "epoch": max(done) + 1 if done else self.first_epoch}  # fmt: skip
+                "epoch": self.next_epoch()}  # fmt: skip
+
+    def next_epoch(self) -> int:
+        """The epoch after the last one completed (the first one, before any completed)."""
+        done = self.runner.disp.completed
+        return max(done) + 1 if done else self.first_epoch
 
     def updates(self) -> int:
         """Updates every worker has added so far."""

@@ -109,6 +109,7 @@ class HogbatchStrategy(Strategy):
         first, history = trainer.steps_done, []
         key = "val_loss" if eval_data is not None else "loss"
         at: dict[int, tuple[int, int]] = {}  # epoch -> (step, device batch) as it completed
+        saved: list[int] = []  # steps_done at each checkpoint taken during the run
 
         def log(results: list[dict[str, float]]) -> None:
             for r in results:
@@ -123,8 +124,9 @@ class HogbatchStrategy(Strategy):
             at[epoch] = (trainer.steps_done, self.device_batch)
             log(live.evaluator.finished(len(history)))
             if path is not None and every is not None and (epoch + 1) % every == 0:
-                load_flat(self.params, live.store.snapshot())
+                load_flat(self.params, live.store.snapshot())  # workers go on meanwhile
                 _save(trainer, path, hooks)
+                saved.append(trainer.steps_done)
             return max_seconds is not None and wall_s >= max_seconds
 
         for hook in hooks:
@@ -136,7 +138,7 @@ class HogbatchStrategy(Strategy):
             log(live.evaluator.finished(len(history)))
             if history:
                 history[-1]["hogbatch"] = self.stats()  # the run's summary on its last row
-            if path is not None:
+            if path is not None and saved[-1:] != [trainer.steps_done]:
                 _save(trainer, path, hooks)
         finally:
             for hook in hooks:
@@ -145,8 +147,7 @@ class HogbatchStrategy(Strategy):
 
     def _take(self, live: Run, trainer: Any, first: int) -> None:
         """The run's progress becomes the trainer's: the rule, the next epoch, the steps."""
-        state = live.state()
-        self.controller, self.next_epoch = state["controller"], state["epoch"]
+        self.controller, self.next_epoch = live.ctl.state_dict(), live.next_epoch()
         self.device_batch = live.ctl.batch
         trainer.steps_done = first + live.updates()
 

@@ -69,7 +69,7 @@ def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_a_checkpoint_resumes(
     assert torch.equal(flat(final), flat(ref.state_dict()))
 
 
-def test_lock_free_run_reaches_the_optimum_and_reports_its_counters():
+def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
     model, data, best = problem(n=1024)
     hog = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(32, 256), budget=0.5,
                           timeout_s=100)  # fmt: skip
@@ -77,9 +77,18 @@ def test_lock_free_run_reaches_the_optimum_and_reports_its_counters():
     with myelin.Trainer(model, functools.partial(torch.optim.SGD, lr=0.05), torch.nn.MSELoss(),
                         sync=hog) as trainer:  # fmt: skip
         rows = trainer.fit(torch.utils.data.TensorDataset(*data), epochs=12, eval_loader=data,
-                           callbacks=[lambda t, row: logged.append(row)])  # fmt: skip
-        got = flat(trainer.state_dict()).double()
+                           callbacks=[lambda t, row: logged.append(row)],
+                           checkpoint_dir=tmp_path, checkpoint_every=4)  # fmt: skip
+        final = trainer.state_dict()
+        got = flat(final).double()
         stats = trainer.replicas.stats()
+        steps = trainer.steps_done
+    # checkpoints taken while the workers ran (every 4 epochs), then the last one
+    assert len([d for d in tmp_path.iterdir() if d.name.startswith("step-")]) >= 2
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    with myelin.Trainer(fresh, SGD, torch.nn.MSELoss(), sync=hog, resume=tmp_path) as again:
+        assert again.steps_done == steps and torch.equal(flat(again.state_dict()), flat(final))
+        assert again.replicas.state_dict()["epoch"] == 12
     assert sorted(r["epoch"] for r in rows) == list(range(12)) and logged == rows  # as completed
     assert all("val_loss" in r for r in rows) and rows[-1]["val_loss"] < rows[0]["val_loss"]
     assert (got - best).norm() / best.norm() < 0.01
