@@ -13,6 +13,7 @@ not the script, take the batches.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any
 
@@ -41,6 +42,7 @@ class HogbatchStrategy(Strategy):
     def __init__(self, cfg: Any, ctx: Context) -> None:
         self.cfg = cfg
         self.params = ctx.params
+        self.timeline = ctx.timeline  # with profile=: the run's figures and tracks go there
         if ctx.optimizer is not None:
             check_optimizer(ctx.optimizer)  # before any work: the reason, not a wrong run
         self.controller: dict[str, Any] | None = None  # the rule's state, once a run began
@@ -138,12 +140,29 @@ class HogbatchStrategy(Strategy):
             log(live.evaluator.finished(len(history)))
             if history:
                 history[-1]["hogbatch"] = self.stats()  # the run's summary on its last row
+            self._profile(live)
             if path is not None and saved[-1:] != [trainer.steps_done]:
                 _save(trainer, path, hooks)
         finally:
             for hook in hooks:
                 hook.on_fit_end(trainer, history)
         return history
+
+    def _profile(self, live: Run) -> None:
+        """With profile=: the run's figures go to summary.json (this rank's `detail`), the
+        device batch and each epoch's loss to counter tracks of the trace."""
+        tl = self.timeline
+        if tl is None or not tl.enabled or self.report is None:
+            return
+        shift = live.runner.t0 - tl.origin  # the runner's clock starts when workers are ready
+        batch = tl.counters.setdefault("hogbatch device batch", [])
+        batch += [[shift + t, b] for t, b in self.report["device_batch"]]
+        loss = tl.counters.setdefault("hogbatch epoch loss", [])
+        loss += [[shift + e["wall_s"], e["loss"]] for e in self.report["evals"]]
+        detail = self.stats()
+        if not math.isfinite(detail["ratio"]):
+            detail["ratio"] = None  # no CPU updates (JSON has no infinity)
+        tl.detail["hogbatch"] = detail
 
     def _take(self, live: Run, trainer: Any, first: int) -> None:
         """The run's progress becomes the trainer's: the rule, the next epoch, the steps."""

@@ -14,6 +14,7 @@ import torch
 
 import myelin
 from myelin.errors import ConfigError
+from myelin.profile.report import ProfileConfig
 from myelin.replicas.hogbatch_dispatch import Dispatcher
 
 
@@ -42,13 +43,19 @@ def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_a_checkpoint_resumes(
     ref.load_state_dict(model.state_dict())
     hog = myelin.Hogbatch(cpu_workers=0, device_batch=(48, 48), adaptive=False, lock=True,
                           timeout_s=100)  # fmt: skip
-    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog) as trainer:
+    profile = ProfileConfig(print_summary=False)
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog, profile=profile) as trainer:
         assert trainer.replicas.batch_sizes == {"device": 48, "cpu": 4}
         rows = trainer.fit(data, epochs=1, checkpoint_dir=tmp_path / "ck")
         first = trainer.state_dict()
         assert trainer.steps_done == 11 and [r["epoch"] for r in rows] == [0]  # 10 x 48 + 32
         assert rows[-1]["hogbatch"]["workers"][0]["share"] == 1.0
         assert trainer.evaluate([data]) == pytest.approx(rows[-1]["loss"], rel=1e-6)
+        # the profiler's summary and trace carry the run's figures and tracks
+        (rank,) = trainer.profile_report().summary()["ranks"]
+        assert rank["detail"]["hogbatch"]["workers"][0]["updates"] == 11
+        assert [b for _, b in trainer.timeline.counters["hogbatch device batch"]] == [48]
+        assert len(trainer.timeline.counters["hogbatch epoch loss"]) == 1
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
     with myelin.Trainer(fresh, SGD, torch.nn.MSELoss(), sync=hog, resume=tmp_path / "ck") as t2:
         assert torch.equal(flat(t2.state_dict()), flat(first)) and t2.steps_done == 11
