@@ -1,6 +1,6 @@
 """Hogbatch through the Trainer's strategy slot: `Trainer(..., sync=myelin.Hogbatch(...))`.
 
-    python -m pytest -q tests/replicas/test_hogbatch_trainer.py    # ~40 s on 2 loaded cores
+    python -m pytest -q tests/replicas/test_hogbatch_trainer.py    # ~15 s on 2 loaded cores
 
 The config errors need no worker; the two runs spawn one and three worker processes.
 """
