@@ -1,6 +1,6 @@
 """CPU+GPU Hogbatch and Adaptive Hogbatch against the device alone and synchronous DP.
 
-    python3 bench/hogbatch.py                       # emulated 20x asymmetry (~6 minutes)
+    python3 bench/hogbatch.py                       # emulated 20x asymmetry (~11 minutes)
     python3 bench/hogbatch.py --quick               # fewer rows and epochs (~3 minutes)
     python3 bench/hogbatch.py --device cuda --real  # on a GPU: real speeds (no emulation)
 

@@ -39,7 +39,9 @@ class PipelineConfig:
     partition: layers per stage, e.g. [3, 5]; default balances parameter counts.
     timeout: seconds any wait may last before it raises, naming what never came.
     sync: how the replicas of a stage agree: myelin.AllReduce() (default), myelin.DASO(...),
-        myelin.EASGD(...), or one of the names "allreduce", "daso", "easgd".
+        myelin.EASGD(...), or one of the names "allreduce", "daso", "easgd"; or
+        myelin.Hogbatch(...) ("hogbatch"), whose worker processes share one model in host
+        memory (stages=1, data_parallel=1, plain SGD; train it with fit over a dataset).
     stage_devices: one device per stage, e.g. ["cuda", "cpu"]: a stage placed on the host
         CPU while the others use the accelerator (an LSH wide layer's stage, say); default
         every stage on its local GPU, else the CPU.

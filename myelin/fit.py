@@ -122,11 +122,20 @@ def fit(
         len() cannot be compared up front: a rank whose peer ran out raises PeerLeftError.
     Steps are numbered as the trainer counts them (`steps_done`), so a resumed trainer
     continues its numbering, and `*_every` are multiples of that number.
+    Under sync=Hogbatch(...) the strategy runs the loop (replicas/hogbatch_strategy.py):
+    `loader` is the dataset, whose batches its workers choose, a row per epoch, and
+    `checkpoint_every` counts epochs.
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
     _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
     if uneven not in _UNEVEN:
         raise ConfigError(f"fit: uneven={uneven!r} must be one of {', '.join(_UNEVEN)}")
+    own = getattr(getattr(trainer, "replicas", None), "fit", None)
+    if own is not None:  # a strategy whose workers take the batches (Hogbatch) runs the loop
+        return own(trainer, loader, hooks=[as_callback(c) for c in callbacks], steps=steps,
+                   epochs=epochs, max_seconds=max_seconds, lr_schedule=lr_schedule,
+                   eval_loader=eval_loader, eval_every=eval_every, eval_batches=eval_batches,
+                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)  # fmt: skip
     _check_last_batch(loader, trainer.config.microbatches, "fit")
     if eval_loader is not None:
         _check_last_batch(eval_loader, trainer.config.microbatches, "fit: eval_loader")

@@ -166,7 +166,9 @@ class Trainer:
         self.offload = offload if offload is not None else OffloadConfig()
         self.precision = check_precision(precision)
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
-        choose.check_supported(cfg.sync, bool(self.offload.optimizer), self.precision)
+        choose.check_supported(cfg.sync, bool(self.offload.optimizer), self.precision,
+                               activations_offload=bool(self.offload.activations),
+                               max_grad_norm=self.max_grad_norm)  # fmt: skip
         flight_dir = flight_dir_of(run_dir)
         checkpoint.check_resume(resume)
         layout = Layout(cfg.stages, cfg.data_parallel)
@@ -258,7 +260,8 @@ class Trainer:
         self.timeline = Timeline.of_profile(self._profile, world.rank, world.stage, world.device)
         trains = self.updater is not None  # a stage without an optimizer has nothing to agree
         params = [p for p in self.module.parameters() if p.requires_grad and trains]
-        context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport)
+        context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport,
+                          self.optimizer)  # fmt: skip
         self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
         self.loop = EventLoop(
             stage,
@@ -355,6 +358,8 @@ class Trainer:
         into `microbatches`; or pass lists of per-microbatch inputs and targets, whose
         shapes may differ. Only stage 0 reads inputs and only the last stage targets.
         """
+        if self.replicas is not None:
+            self.replicas.check_step()  # Hogbatch's workers, not the script, take batches
         entered, failed = f"training step {self.steps_done + 1}", f"training step {self.steps_done}"
         loss = self._run_batch(inputs, targets, self.loop.run_step, entered, failed)
         self.steps_done += 1

@@ -33,7 +33,8 @@ def collect(
     device: Any = None,
     replica: int | None = None,
 ) -> dict[str, Any]:
-    """One rank's timeline (and sampled counters) as JSON-ready data, for a report."""
+    """One rank's timeline (and sampled counters) as JSON-ready data, for a report; the
+    timeline's own counters and detail (a strategy's figures) come along."""
     spans = timeline.spans
     return {
         "format": RANK_FORMAT,
@@ -49,8 +50,8 @@ def collect(
         "span_fields": list(SPAN_FIELDS),
         "spans": [[getattr(s, f) for f in SPAN_FIELDS] for s in spans],
         "folded": getattr(timeline, "folded", None),  # older spans' totals (window.py)
-        "counters": dict(counters or {}),
-        "detail": {},
+        "counters": {**(counters or {}), **getattr(timeline, "counters", {})},
+        "detail": dict(getattr(timeline, "detail", {})),
     }
 
 

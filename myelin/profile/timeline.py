@@ -64,6 +64,10 @@ class Timeline:
         self._window = Window(*self._window_args) if window_steps is not None else None
         self._by_step: dict[int, list[Span]] = {}  # with a window: the kept spans, by step
         self._starts: dict[int, float] = {}  # each kept step's earliest start
+        # what a part of the run that is not spans reports (Hogbatch's workers): counter
+        # tracks {name: [[seconds since origin, value], ...]} and figures for summary.json
+        self.counters: dict[str, list[list[float]]] = {}
+        self.detail: dict[str, Any] = {}
 
     @classmethod
     def of_profile(

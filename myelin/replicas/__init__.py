@@ -34,6 +34,8 @@ class Context:
     timeout_s: float = 300.0
     timeline: Any = None  # profile/timeline.Timeline, for the strategy's own records
     transport: Any = None  # runtime/transport_config.TransportConfig: host, limits, timeouts
+    optimizer: Any = None  # this stage's optimizer (None: nothing to train), for strategies
+    # that check which optimizers they can run (Hogbatch: plain SGD)
 
 
 class Strategy:
@@ -51,6 +53,10 @@ class Strategy:
     def eval_loss(self, loss: float) -> float:
         """The loss of an evaluation step, as the replicas agree on it."""
         return loss
+
+    def check_step(self) -> None:
+        """Raise a ConfigError when this strategy does not train through `Trainer.step`
+        (Hogbatch: its workers take the batches, through `fit`)."""
 
     def after_optimizer_step(self) -> None:
         """The optimizer has stepped this stage's parameters."""

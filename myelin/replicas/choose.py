@@ -8,10 +8,11 @@ from myelin.errors import ConfigError
 from myelin.replicas.allreduce import AllReduce
 from myelin.replicas.daso import DASO
 from myelin.replicas.easgd import EASGD
+from myelin.replicas.hogbatch import Hogbatch
 
 __all__ = ["STRATEGIES", "check_supported", "resolve_sync"]
 
-STRATEGIES = {"allreduce": AllReduce, "daso": DASO, "easgd": EASGD}
+STRATEGIES = {"allreduce": AllReduce, "daso": DASO, "easgd": EASGD, "hogbatch": Hogbatch}
 
 
 def resolve_sync(sync: Any, stages: int, data_parallel: int) -> Any:
@@ -22,8 +23,8 @@ def resolve_sync(sync: Any, stages: int, data_parallel: int) -> Any:
         sync = STRATEGIES[sync.lower()]()
     if not isinstance(sync, tuple(STRATEGIES.values())):
         raise ConfigError(
-            f"sync={sync!r} must be myelin.AllReduce(), myelin.DASO(...), myelin.EASGD(...) "
-            f"or one of their names {list(STRATEGIES)}"
+            f"sync={sync!r} must be myelin.AllReduce(), myelin.DASO(...), myelin.EASGD(...), "
+            f"myelin.Hogbatch(...) or one of their names {list(STRATEGIES)}"
         )
     check = getattr(sync, "check", None)
     if check is not None:
@@ -31,10 +32,34 @@ def resolve_sync(sync: Any, stages: int, data_parallel: int) -> Any:
     return sync
 
 
-def check_supported(sync: Any, optimizer_offload: bool, precision: str) -> None:
+def check_supported(
+    sync: Any,
+    optimizer_offload: bool,
+    precision: str,
+    *,
+    activations_offload: bool = False,
+    max_grad_norm: float | None = None,
+) -> None:
     """DASO and EASGD move the parameters outside the optimizer: fp32 masters on the
-    device only, for now (an offloaded or half-precision master would not see it)."""
+    device only, for now (an offloaded or half-precision master would not see it).
+    Hogbatch's workers train fp32 copies of the whole model with plain SGD steps: no
+    offload, no half precision, no clipping by a global norm."""
     if sync.name == "allreduce":
+        return
+    if sync.name == "hogbatch":
+        offload = "OffloadConfig(...)" if optimizer_offload or activations_offload else None
+        for field, value, plain in (
+            ("offload", offload, None),
+            ("precision", precision, "fp32"),
+            ("max_grad_norm", max_grad_norm, None),
+        ):
+            if value != plain:
+                raise ConfigError(
+                    f"Trainer({field}={value!r}) with sync=Hogbatch(...): its workers add "
+                    f"plain fp32 SGD steps to one shared model in host memory, so there is "
+                    f"nothing to offload, no half precision and no global clipping; leave "
+                    f"{field} at its default ({plain!r})"
+                )
         return
     if optimizer_offload or precision != "fp32":
         raise ConfigError(

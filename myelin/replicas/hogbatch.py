@@ -11,7 +11,7 @@ follows myelin's own rule (hogbatch_rule.py; the paper publishes none) so that d
 updates / CPU updates approach `ratio`, never below the batch that keeps the device's
 efficiency within `budget` (budget 0 = fixed Hogbatch). The strategy decides every batch
 size; `fit` walks the dataset so each sample is used once per epoch. The runner is
-hogbatch_run.py; `Trainer(sync=...)` does not take Hogbatch yet (README: departures).
+hogbatch_run.py; in a Trainer (`sync=Hogbatch(...)`) it runs as hogbatch_strategy.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError
+from myelin.replicas.hogbatch_strategy import HogbatchStrategy, check_optimizer
 
 __all__ = ["Hogbatch", "LOSS_POLICIES", "check_optimizer"]
 
@@ -115,6 +116,21 @@ class Hogbatch:
         if kind not in ("cpu", "cuda"):
             raise ConfigError(f"Hogbatch(device={self.device!r}): must be 'cpu' or 'cuda[:i]'")
 
+    def check(self, stages: int, data_parallel: int) -> None:
+        """In a Trainer: one process holds the model and runs the workers (no pipeline
+        stages, no data-parallel replicas: the workers are the replicas)."""
+        for field, value in (("stages", stages), ("data_parallel", data_parallel)):
+            if value != 1:
+                raise ConfigError(
+                    f"Trainer({field}={value}) with sync=Hogbatch(...): Hogbatch's workers "
+                    f"share one whole model in one host's memory; use {field}=1 (its CPU "
+                    f"workers are the replicas: cpu_workers=)"
+                )
+
+    def build(self, ctx: Any) -> Any:
+        """The running strategy of a Trainer (hogbatch_strategy.py)."""
+        return HogbatchStrategy(self, ctx)
+
     def fit(
         self,
         model: torch.nn.Module,
@@ -145,27 +161,6 @@ class Hogbatch:
             raise ConfigError("Hogbatch.fit(data=...): must be (inputs, targets) of equal length")
         return run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
                    eval_data=eval_data, resume=resume, on_epoch=on_epoch)  # fmt: skip
-
-
-def check_optimizer(optimizer: Any) -> tuple[float, float]:
-    """(lr, weight decay) of a plain SGD optimizer; anything else is a ConfigError saying why."""
-    why = (
-        "Hogbatch's workers add steps to one shared model without locks, so only stateless "
-        "plain SGD (with weight decay) is sound: optimizer state (momentum, Adam's moments) "
-        "would be updated by every worker at once"
-    )
-    if type(optimizer) is not torch.optim.SGD:
-        raise ConfigError(f"{why}; got {type(optimizer).__name__}. Use torch.optim.SGD(lr=...)")
-    if len(optimizer.param_groups) != 1:
-        raise ConfigError(f"{why}; use one parameter group (got {len(optimizer.param_groups)})")
-    g = optimizer.param_groups[0]
-    for key, plain in (("momentum", 0), ("nesterov", False), ("maximize", False)):
-        if g.get(key, plain) != plain:
-            raise ConfigError(f"{why}; got SGD({key}={g[key]!r})")
-    lr = g["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr = float(lr)
-    return float(lr), float(g.get("weight_decay", 0.0))
 
 
 def _number(v: Any) -> bool:

@@ -3,7 +3,7 @@
 Order of events: the model's trainable parameters become one shared fp32 segment
 (hogbatch_store); worker 0 (the device) and workers 1..N (CPU) are spawned with it and the
 dataset (shared memory too; their environment loses the rendezvous variables, as the hub's
-does); each says `ready`. Then, until every epoch is done: every idle worker gets a range
+does); each says `ready`. Then, until every epoch is done: every worker holds AHEAD ranges
 (the device's batch from the adaptive rule, a CPU worker's `cpu_batch`), each `done`
 feeds the rule and the counters, and each completed epoch's weights are copied and
 evaluated in a thread, off the training path. A worker that dies is a PeerLostError or has
@@ -17,6 +17,7 @@ import copy
 import os
 import statistics
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,13 @@ from myelin.replicas.hogbatch_worker import pack, unpack
 if TYPE_CHECKING:
     from myelin.replicas.hogbatch import Hogbatch
 
-__all__ = ["run"]
+__all__ = ["AHEAD", "Run", "params_of", "run"]
+
+# Ranges a worker holds at once: the one it trains and the next, already in its pipe, so
+# it never waits a round trip through the runner between updates (in real mode, tiny CPU
+# batches spent more time on that wait than on their gradient). The queued range's batch
+# is the rule's choice when it was sent, one device batch behind its latest.
+AHEAD = 2
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -54,41 +61,84 @@ def run(
     on_epoch: Any = None,
 ) -> dict[str, Any]:
     """Train with Hogbatch's workers (see the module docstring); the report."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    workers = 1 + cfg.cpu_workers
-    ctx = mp.get_context("spawn")
-    store = SharedModel.create(params, workers, ctx.Lock() if cfg.lock else None)
-    ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
-                     budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
-    first_epoch = 0
-    if resume is not None:
-        store.weights.copy_(resume["weights"])
-        ctl.load_state_dict(resume["controller"])
-        first_epoch = int(resume["epoch"])
-    x, y = (t.detach().cpu().contiguous().share_memory_() for t in data)
-    host_model = copy.deepcopy(model).cpu()
-    job = {"model": host_model, "loss_fn": loss_fn, "lr": lr, "weight_decay": weight_decay,
-           "device": cfg.device, "threads": cfg.cpu_threads, "seed": cfg.seed,
-           "data_seed": cfg.seed, "timeout_s": cfg.timeout_s, "record": cfg.record,
-           "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
-           "emulate": cfg.emulate or (None, None)}  # fmt: skip
-    runner = _Run(cfg, ctl, store, Dispatcher(x.shape[0], epochs, cfg.seed, first_epoch))
-    eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
-    evaluator = _Evaluator(eval_model, loss_fn, eval_data or (x, y), params_of(eval_model))
-    try:
-        runner.start(ctx, job, (x, y))
-        runner.drive(evaluator, on_epoch)
-        runner.stop()
-    finally:
-        runner.kill()
-        evaluator.close()
-    store.load_into(params)
-    report = runner.report()
-    report["evals"] = evaluator.results()
-    done = runner.disp.completed
-    report["state"] = {"weights": store.snapshot(), "controller": ctl.state_dict(),
-                       "epoch": max(done) + 1 if done else first_epoch}  # fmt: skip
-    return report
+    live = Run(cfg, model, loss_fn, data, lr=lr, weight_decay=weight_decay, epochs=epochs,
+               eval_data=eval_data, resume=resume)  # fmt: skip
+    return live.train(lambda epoch, wall_s: on_epoch(epoch, wall_s) if on_epoch else None)
+
+
+class Run:
+    """One run, set up and not started: its shared model (`store`), its rule (`ctl`) and
+    its workers (`runner`). `train` runs it; `on_epoch` may look at all three meanwhile
+    (Trainer.fit's checkpoints take the weights and the rule's state there)."""
+
+    def __init__(
+        self,
+        cfg: Hogbatch,
+        model: torch.nn.Module,
+        loss_fn: Any,
+        data: tuple[torch.Tensor, torch.Tensor],
+        *,
+        lr: float,
+        weight_decay: float,
+        epochs: int,
+        eval_data: tuple[torch.Tensor, torch.Tensor] | None,
+        resume: dict[str, Any] | None,
+    ) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ctx = mp.get_context("spawn")
+        self.store = SharedModel.create(self.params, 1 + cfg.cpu_workers,
+                                        self.ctx.Lock() if cfg.lock else None)  # fmt: skip
+        self.ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
+                              budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
+        self.first_epoch = 0
+        if resume is not None:
+            self.store.weights.copy_(resume["weights"])
+            self.ctl.load_state_dict(resume["controller"])
+            self.first_epoch = int(resume["epoch"])
+        self.data = tuple(t.detach().cpu().contiguous().share_memory_() for t in data)
+        host_model = copy.deepcopy(model).cpu()
+        self.job = {"model": host_model, "loss_fn": loss_fn, "lr": lr,
+                    "weight_decay": weight_decay, "device": cfg.device,
+                    "threads": cfg.cpu_threads, "seed": cfg.seed, "data_seed": cfg.seed,
+                    "timeout_s": cfg.timeout_s, "record": cfg.record,
+                    "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
+                    "emulate": cfg.emulate or (None, None)}  # fmt: skip
+        disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch)
+        self.runner = _Run(cfg, self.ctl, self.store, disp)
+        eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
+        self.evaluator = _Evaluator(eval_model, loss_fn, eval_data or self.data,
+                                    params_of(eval_model))  # fmt: skip
+
+    def train(self, on_epoch: Any = None) -> dict[str, Any]:
+        """Start the workers, train every epoch, stop them; the model given holds the
+        shared weights after; the report (with `evals` and `state`)."""
+        try:
+            self.runner.start(self.ctx, self.job, self.data)
+            self.runner.drive(self.evaluator, on_epoch)
+            self.runner.stop()
+        finally:
+            self.runner.kill()
+            self.evaluator.close()
+        self.store.load_into(self.params)
+        report = self.runner.report()
+        report["evals"] = self.evaluator.results()
+        report["state"] = self.state()
+        return report
+
+    def state(self) -> dict[str, Any]:
+        """What `resume=` continues from: the weights, the rule's state, the next epoch
+        (the one after the last completed: its updates already made stay in the weights)."""
+        return {"weights": self.store.snapshot(), "controller": self.ctl.state_dict(),
+                "epoch": self.next_epoch()}  # fmt: skip
+
+    def next_epoch(self) -> int:
+        """The epoch after the last one completed (the first one, before any completed)."""
+        done = self.runner.disp.completed
+        return max(done) + 1 if done else self.first_epoch
+
+    def updates(self) -> int:
+        """Updates every worker has added so far."""
+        return sum(s["updates"] for s in self.runner.stats)
 
 
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -121,6 +171,15 @@ class _Evaluator:
         """Each epoch's loss, in epoch order: epoch, wall seconds at the copy, loss."""
         return [{"epoch": e, "wall_s": w, "loss": f.result()} for e, w, f in self.futures]
 
+    def finished(self, start: int) -> list[dict[str, float]]:
+        """The results from the `start`-th on whose evaluation is over, in order; no wait."""
+        out = []
+        for e, w, f in self.futures[start:]:
+            if not f.done():
+                break
+            out.append({"epoch": e, "wall_s": w, "loss": f.result()})
+        return out
+
     def close(self) -> None:
         """Finish what was submitted and end the thread."""
         self.pool.shutdown(wait=True)
@@ -134,7 +193,7 @@ class _Run:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.alive: set[int] = set()
-        self.busy: dict[int, tuple[Range, float]] = {}  # worker -> (range, sent at)
+        self.busy: dict[int, deque[Range]] = {}  # worker -> its ranges, oldest (in work) first
         n = 1 + cfg.cpu_workers
         self.stats = [{"updates": 0, "samples": 0, "busy_s": 0.0, "tau": []} for _ in range(n)]
         self.batches: list[tuple[float, int]] = []  # (wall s, device batch) when it changed
@@ -184,7 +243,7 @@ class _Run:
             ]
             ready = wait(watch, timeout=self.cfg.timeout_s)
             if not ready:
-                late = {w: str(r) for w, (r, _) in self.busy.items()}
+                late = {w: [str(r) for r in q] for w, q in self.busy.items() if q}
                 raise DeadlineError(
                     f"Hogbatch: no worker answered for {self.cfg.timeout_s}s; busy: {late}"
                 )
@@ -213,19 +272,21 @@ class _Run:
         self.wall_s = time.perf_counter() - self.t0
 
     def _assign(self) -> None:
-        for w in sorted(self.alive - set(self.busy)):
-            batch = self.ctl.batch if w == 0 else self.cfg.cpu_batch
-            r = self.disp.take(w, batch)
-            if r is None:
-                continue
-            self.conns[w].send_bytes(pack({"op": "train", **r._asdict()}))
-            self.busy[w] = (r, time.perf_counter())
-        if not self.busy and not self.disp.all_done():
+        for w in sorted(self.alive):
+            queue = self.busy.setdefault(w, deque())
+            while len(queue) < AHEAD:
+                batch = self.ctl.batch if w == 0 else self.cfg.cpu_batch
+                r = self.disp.take(w, batch)
+                if r is None:
+                    break
+                self.conns[w].send_bytes(pack({"op": "train", **r._asdict()}))
+                queue.append(r)
+        if not any(self.busy.values()) and not self.disp.all_done():
             raise PeerLostError(-1, "training", "Hogbatch: no worker is left to train")
 
     def _done(self, w: int, msg: dict[str, Any], evaluator: _Evaluator) -> None:
         self._check(w, msg, "done")
-        r, _ = self.busy.pop(w)
+        r = self.busy[w].popleft()  # a worker trains its ranges in the order sent
         st = self.stats[w]
         st["updates"] += 1
         st["samples"] += r.count
@@ -247,7 +308,7 @@ class _Run:
     def _lost(self, w: int) -> None:
         code = self.procs[w].exitcode
         self.alive.discard(w)
-        r = self.busy.pop(w, (None, 0))[0]
+        r = list(self.busy.pop(w, ()))
         if self.cfg.on_worker_loss == "raise":
             raise PeerLostError(
                 w, f"training {r}", f"Hogbatch worker {w} died (exit code {code}) training {r}"

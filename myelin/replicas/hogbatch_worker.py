@@ -123,7 +123,7 @@ class _Worker:
             step = self.step.clone()
             rng = (epoch, start, count)
             self.record.append({"version": v_add, "read": v_read, "lr": lr, "range": rng,
-                                "step": step})  # fmt: skip
+                                "step": step, "at": time.monotonic()})  # fmt: skip
         tau = v_add - v_read
         return {"op": "done", "seconds": time.perf_counter() - t0, "tau": tau,
                 "loss": float(loss.detach())}  # fmt: skip

@@ -1,0 +1,238 @@
+"""Hogbatch in the Trainer's strategy slot: `Trainer(model, SGD, loss, sync=myelin.Hogbatch())`.
+
+The trainer's one process is the runner (hogbatch_run.Run, the same one `Hogbatch.fit`
+uses): `trainer.fit(dataset, epochs=...)` hands its stage's weights, its optimizer's lr and
+weight decay and the dataset to a run, whose workers decide every batch; when it returns,
+the stage's parameters hold the shared weights, so `evaluate`, `eval_step`, `state_dict()`
+and checkpoints see the model as trained. Between runs the strategy keeps the rule's state
+and the next epoch, which checkpoints carry, so a trainer built with `resume=` continues
+(the same permutations, the rule where it was). `Trainer.step` is refused: the workers,
+not the script, take the batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import torch
+
+from myelin.errors import ConfigError
+from myelin.replicas import Context, Strategy
+from myelin.replicas.hogbatch_run import Run
+from myelin.replicas.hogbatch_store import load_flat
+
+__all__ = ["HogbatchStrategy", "check_optimizer", "dataset_of", "worker_copy"]
+
+_WHY = {
+    "steps": "it trains whole epochs, and its workers' updates are not steps of one size; "
+    "give epochs=",
+    "lr_schedule": "the workers use the optimizer's lr, fixed for the call; change "
+    "trainer.optimizer's lr between fit calls",
+    "eval_every": "it evaluates eval_loader on a copy of the weights after every epoch",
+    "eval_batches": "it evaluates the whole eval_loader dataset after every epoch",
+}
+
+
+class HogbatchStrategy(Strategy):
+    """The running strategy of `sync=Hogbatch(...)` on the trainer's one rank."""
+
+    def __init__(self, cfg: Any, ctx: Context) -> None:
+        self.cfg = cfg
+        self.params = ctx.params
+        self.timeline = ctx.timeline  # with profile=: the run's figures and tracks go there
+        if ctx.optimizer is not None:
+            check_optimizer(ctx.optimizer)  # before any work: the reason, not a wrong run
+        self.controller: dict[str, Any] | None = None  # the rule's state, once a run began
+        self.next_epoch = 0
+        self.report: dict[str, Any] | None = None  # the last fit's (Hogbatch.fit's report)
+        self.device_batch = cfg.device_batch[1]  # the batch the rule hands the device next
+
+    @property
+    def batch_sizes(self) -> dict[str, int]:
+        """Who trains on how many samples next: {"device": the rule's batch, "cpu": cpu_batch}."""
+        return {"device": self.device_batch, "cpu": self.cfg.cpu_batch}
+
+    def check_step(self) -> None:
+        raise ConfigError(
+            "Trainer.step under sync=Hogbatch(...): the strategy's workers choose and take "
+            "the batches; call trainer.fit(dataset, epochs=...) (trainer.replicas.batch_sizes "
+            "says the sizes)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.controller is None:
+            return {}
+        return {"controller": self.controller, "epoch": self.next_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.controller, self.next_epoch = state["controller"], int(state["epoch"])
+            self.device_batch = int(self.controller["batch"])
+
+    def stats(self) -> dict[str, Any]:
+        """The last fit's counters: updates, update share, staleness (median, p99) and busy
+        fraction per worker, the device/CPU update ratio, the device batch over time."""
+        if self.report is None:
+            return {}
+        keys = ("wall_s", "workers", "ratio", "device_batch")
+        return {k: copy.deepcopy(self.report[k]) for k in keys}
+
+    def fit(self, trainer: Any, data: Any, *, hooks: list, **args: Any) -> list[dict[str, Any]]:
+        """`trainer.fit(dataset, epochs=E, ...)` under Hogbatch: E more epochs of the run,
+        a metrics row per epoch (its loss on a copy of the weights); see README."""
+        for name, why in _WHY.items():
+            if args.get(name) is not None:
+                raise ConfigError(f"fit({name}={args[name]!r}) under sync=Hogbatch: {why}")
+        if trainer.lr_scheduler is not None:
+            why = _WHY["lr_schedule"]
+            raise ConfigError(f"Trainer(lr_schedule=...) under sync=Hogbatch: {why}")
+        epochs = 1 if args.get("epochs") is None else args["epochs"]
+        max_seconds, path = args.get("max_seconds"), args.get("checkpoint_dir")
+        every = args.get("checkpoint_every")
+        if every is not None and (type(every) is not int or every < 1 or path is None):
+            raise ConfigError(
+                f"fit(checkpoint_every={every!r}) under sync=Hogbatch counts epochs: an int "
+                f">= 1, with a checkpoint_dir"
+            )
+        lr, wd = check_optimizer(trainer.optimizer)
+        x, y = dataset_of(data, "fit")
+        evals = args.get("eval_loader")
+        eval_data = dataset_of(evals, "fit: eval_loader") if evals is not None else None
+        resume = None
+        if self.controller is not None:
+            weights = torch.cat([p.detach().reshape(-1).cpu().float() for p in self.params])
+            resume = {"weights": weights, "controller": self.controller, "epoch": self.next_epoch}
+        live = Run(self.cfg, worker_copy(trainer.module), trainer.loop.stage.loss_fn, (x, y),
+                   lr=lr, weight_decay=wd, epochs=epochs, eval_data=eval_data,
+                   resume=resume)  # fmt: skip
+        first, history = trainer.steps_done, []
+        key = "val_loss" if eval_data is not None else "loss"
+        at: dict[int, tuple[int, int]] = {}  # epoch -> (step, device batch) as it completed
+        saved: list[int] = []  # steps_done at each checkpoint taken during the run
+
+        def log(results: list[dict[str, float]]) -> None:
+            for r in results:
+                step, batch = at.get(r["epoch"], (trainer.steps_done, self.device_batch))
+                history.append({"step": step, "epoch": r["epoch"], "wall_s": r["wall_s"],
+                                key: r["loss"], "device_batch": batch})  # fmt: skip
+                for hook in hooks:
+                    hook.on_log(trainer, history[-1])
+
+        def on_epoch(epoch: int, wall_s: float) -> bool:
+            self._take(live, trainer, first)
+            at[epoch] = (trainer.steps_done, self.device_batch)
+            log(live.evaluator.finished(len(history)))
+            if path is not None and every is not None and (epoch + 1) % every == 0:
+                load_flat(self.params, live.store.snapshot())  # workers go on meanwhile
+                _save(trainer, path, hooks)
+                saved.append(trainer.steps_done)
+            return max_seconds is not None and wall_s >= max_seconds
+
+        for hook in hooks:
+            hook.on_fit_start(trainer, first, None)
+        try:
+            self.report = live.train(on_epoch)
+            self._take(live, trainer, first)
+            load_flat(self.params, self.report["state"]["weights"])
+            log(live.evaluator.finished(len(history)))
+            if history:
+                history[-1]["hogbatch"] = self.stats()  # the run's summary on its last row
+            self._profile(live)
+            if path is not None and saved[-1:] != [trainer.steps_done]:
+                _save(trainer, path, hooks)
+        finally:
+            for hook in hooks:
+                hook.on_fit_end(trainer, history)
+        return history
+
+    def _profile(self, live: Run) -> None:
+        """With profile=: the run's figures go to summary.json (this rank's `detail`), the
+        device batch and each epoch's loss to counter tracks of the trace."""
+        tl = self.timeline
+        if tl is None or not tl.enabled or self.report is None:
+            return
+        shift = live.runner.t0 - tl.origin  # the runner's clock starts when workers are ready
+        batch = tl.counters.setdefault("hogbatch device batch", [])
+        batch += [[shift + t, b] for t, b in self.report["device_batch"]]
+        loss = tl.counters.setdefault("hogbatch epoch loss", [])
+        loss += [[shift + e["wall_s"], e["loss"]] for e in self.report["evals"]]
+        detail = self.stats()
+        if not math.isfinite(detail["ratio"]):
+            detail["ratio"] = None  # no CPU updates (JSON has no infinity)
+        tl.detail["hogbatch"] = detail
+
+    def _take(self, live: Run, trainer: Any, first: int) -> None:
+        """The run's progress becomes the trainer's: the rule, the next epoch, the steps."""
+        self.controller, self.next_epoch = live.ctl.state_dict(), live.next_epoch()
+        self.device_batch = live.ctl.batch
+        trainer.steps_done = first + live.updates()
+
+
+def check_optimizer(optimizer: Any) -> tuple[float, float]:
+    """(lr, weight decay) of a plain SGD optimizer; anything else is a ConfigError saying why."""
+    why = (
+        "Hogbatch's workers add steps to one shared model without locks, so only stateless "
+        "plain SGD (with weight decay) is sound: optimizer state (momentum, Adam's moments) "
+        "would be updated by every worker at once"
+    )
+    if type(optimizer) is not torch.optim.SGD:
+        raise ConfigError(f"{why}; got {type(optimizer).__name__}. Use torch.optim.SGD(lr=...)")
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"{why}; use one parameter group (got {len(optimizer.param_groups)})")
+    g = optimizer.param_groups[0]
+    for key, plain in (("momentum", 0), ("nesterov", False), ("maximize", False)):
+        if g.get(key, plain) != plain:
+            raise ConfigError(f"{why}; got SGD({key}={g[key]!r})")
+    lr = g["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr)
+    return float(lr), float(g.get("weight_decay", 0.0))
+
+
+def _save(trainer: Any, path: Any, hooks: list) -> None:
+    trainer.save(path)
+    for hook in hooks:
+        hook.on_checkpoint(trainer, os.fspath(path), trainer.steps_done)
+
+
+def dataset_of(data: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) from a pair of tensors or a TensorDataset of two; a DataLoader is
+    refused, since Hogbatch, not the loader, decides the batch sizes."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        raise ConfigError(
+            f"{where}: under sync=Hogbatch pass the dataset (loader.dataset, a TensorDataset, "
+            f"or (inputs, targets)), not a DataLoader: the strategy decides the batch sizes"
+        )
+    if isinstance(data, torch.utils.data.TensorDataset):
+        data = data.tensors
+    if (
+        not isinstance(data, (tuple, list))
+        or len(data) != 2
+        or not all(isinstance(t, torch.Tensor) for t in data)
+        or data[0].shape[0] != data[1].shape[0]
+        or data[0].shape[0] < 1
+    ):
+        raise ConfigError(
+            f"{where}: under sync=Hogbatch the data must be (inputs, targets), two tensors of "
+            f"equal length >= 1, or a TensorDataset of two"
+        )
+    return data[0], data[1]
+
+
+def worker_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the stage for the workers, without myelin's own hooks (random streams,
+    activation paging), which belong to this process and do not travel."""
+    out = copy.deepcopy(module)
+    for m in out.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for k in [k for k, fn in hooks.items() if _ours(fn)]:
+                del hooks[k]
+    return out
+
+
+def _ours(fn: Any) -> bool:
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__module__", "").startswith("myelin.")

@@ -1,0 +1,151 @@
+"""Hogbatch through the Trainer's strategy slot: `Trainer(..., sync=myelin.Hogbatch(...))`.
+
+    python -m pytest -q tests/replicas/test_hogbatch_trainer.py    # ~15 s on 2 loaded cores
+
+The config errors need no worker; the two runs spawn one and three worker processes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import myelin
+from myelin.errors import ConfigError
+from myelin.profile.report import ProfileConfig
+from myelin.replicas.hogbatch_dispatch import Dispatcher
+
+
+def problem(n=512, d=8, seed=0):
+    """A noisy linear regression: the model, the data and the least-squares optimum."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = x @ torch.randn(d, generator=g) + 0.5 + 0.01 * torch.randn(n, generator=g)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(d, 1), torch.nn.Flatten(0))
+    design = torch.cat([x, torch.ones(n, 1)], 1).double()
+    best = torch.linalg.lstsq(design, y.double().unsqueeze(1)).solution.squeeze(1)
+    return model, (x, y), best
+
+
+def flat(state):
+    return torch.cat([v.reshape(-1) for v in state.values()])
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05, weight_decay=0.01)
+
+
+def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_a_checkpoint_resumes(tmp_path):
+    model, data, _ = problem()
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    ref.load_state_dict(model.state_dict())
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(48, 48), adaptive=False, lock=True,
+                          timeout_s=100)  # fmt: skip
+    profile = ProfileConfig(print_summary=False)
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog, profile=profile) as trainer:
+        assert trainer.replicas.batch_sizes == {"device": 48, "cpu": 4}
+        rows = trainer.fit(data, epochs=1, checkpoint_dir=tmp_path / "ck")
+        first = trainer.state_dict()
+        assert trainer.steps_done == 11 and [r["epoch"] for r in rows] == [0]  # 10 x 48 + 32
+        assert rows[-1]["hogbatch"]["workers"][0]["share"] == 1.0
+        assert trainer.evaluate([data]) == pytest.approx(rows[-1]["loss"], rel=1e-6)
+        # the profiler's summary and trace carry the run's figures and tracks
+        (rank,) = trainer.profile_report().summary()["ranks"]
+        assert rank["detail"]["hogbatch"]["workers"][0]["updates"] == 11
+        assert [b for _, b in trainer.timeline.counters["hogbatch device batch"]] == [48]
+        assert len(trainer.timeline.counters["hogbatch epoch loss"]) == 1
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    with myelin.Trainer(fresh, SGD, torch.nn.MSELoss(), sync=hog, resume=tmp_path / "ck") as t2:
+        assert torch.equal(flat(t2.state_dict()), flat(first)) and t2.steps_done == 11
+        assert t2.replicas.state_dict()["epoch"] == 1  # the rule's state and the next epoch
+        rows = t2.fit(data, epochs=1)
+        assert [r["epoch"] for r in rows] == [1] and rows[-1]["step"] == 22
+        final = t2.state_dict()
+    # the same batches (each epoch's permutation in ranges of 48) through torch.optim.SGD
+    sgd = SGD(ref.parameters())
+    perms = Dispatcher(len(data[0]), 2, hog.seed)
+    for epoch in (0, 1):
+        order = perms.permutation(epoch)
+        for start in range(0, len(order), 48):
+            idx = order[start : start + 48]
+            sgd.zero_grad()
+            torch.nn.MSELoss()(ref(data[0][idx]), data[1][idx]).backward()
+            sgd.step()
+    assert torch.equal(flat(final), flat(ref.state_dict()))
+
+
+def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
+    model, data, best = problem(n=1024)
+    hog = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(32, 256), budget=0.5,
+                          timeout_s=100)  # fmt: skip
+    logged = []
+    with myelin.Trainer(model, functools.partial(torch.optim.SGD, lr=0.05), torch.nn.MSELoss(),
+                        sync=hog) as trainer:  # fmt: skip
+        rows = trainer.fit(torch.utils.data.TensorDataset(*data), epochs=12, eval_loader=data,
+                           callbacks=[lambda t, row: logged.append(row)],
+                           checkpoint_dir=tmp_path, checkpoint_every=4)  # fmt: skip
+        final = trainer.state_dict()
+        got = flat(final).double()
+        stats = trainer.replicas.stats()
+        steps = trainer.steps_done
+    # checkpoints taken while the workers ran (every 4 epochs), then the last one
+    assert len([d for d in tmp_path.iterdir() if d.name.startswith("step-")]) >= 2
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    with myelin.Trainer(fresh, SGD, torch.nn.MSELoss(), sync=hog, resume=tmp_path) as again:
+        assert again.steps_done == steps and torch.equal(flat(again.state_dict()), flat(final))
+        assert again.replicas.state_dict()["epoch"] == 12
+    assert sorted(r["epoch"] for r in rows) == list(range(12)) and logged == rows  # as completed
+    assert all("val_loss" in r for r in rows) and rows[-1]["val_loss"] < rows[0]["val_loss"]
+    assert (got - best).norm() / best.norm() < 0.01
+    workers = stats["workers"]
+    assert [w["worker"] for w in workers] == ["device", "cpu1", "cpu2"]
+    assert all(w["updates"] > 0 for w in workers)
+    assert sum(w["samples"] for w in workers) == 12 * 1024  # each sample once per epoch
+    assert abs(sum(w["share"] for w in workers) - 1) < 1e-9
+    assert all(0 <= w["tau_median"] <= w["tau_p99"] and 0 < w["busy"] <= 1.05 for w in workers)
+    assert stats["device_batch"][0] == (0.0, 256) and rows[-1]["hogbatch"] == stats
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"stages": 2}, "stages"),
+        ({"data_parallel": 2}, "data_parallel"),
+        ({"offload": myelin.OffloadConfig(activations=True)}, "offload"),
+        ({"precision": "bf16"}, "precision"),
+        ({"max_grad_norm": 1.0}, "max_grad_norm"),
+    ],
+)
+def test_combinations_that_make_no_sense_name_the_field(kw, field):
+    model, _, _ = problem()
+    with pytest.raises(ConfigError, match=rf"Trainer\({field}=.*sync=Hogbatch"):
+        myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=myelin.Hogbatch(), **kw)
+
+
+@pytest.mark.parametrize(
+    "opt, words",
+    [
+        (torch.optim.Adam, "Adam"),
+        (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), "momentum=0.9"),
+    ],
+)
+def test_stateful_optimizers_are_refused_when_built_with_the_reason(opt, words):
+    model, _, _ = problem()
+    with pytest.raises(ConfigError, match=words) as e:
+        myelin.Trainer(model, opt, torch.nn.MSELoss(), sync="hogbatch")
+    assert "shared model without locks" in str(e.value)
+
+
+def test_step_steps_and_loaders_are_refused_before_any_worker_starts():
+    model, data, _ = problem()
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=myelin.Hogbatch()) as trainer:
+        with pytest.raises(ConfigError, match=r"Trainer.step under sync=Hogbatch.*fit\(dataset"):
+            trainer.step(*data)
+        with pytest.raises(ConfigError, match=r"fit\(steps=5\) under sync=Hogbatch"):
+            trainer.fit(data, steps=5)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data), 32)
+        with pytest.raises(ConfigError, match="not a DataLoader"):
+            trainer.fit(loader)
+        assert trainer.steps_done == 0
