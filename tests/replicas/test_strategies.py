@@ -13,8 +13,9 @@ from tests._procs import launch
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    """One 4-rank job for DASO and sync EASGD (about 25 s on 2 cores)."""
-    job = launch(4, "replicas.py", ["daso", "easgd"], tmp_path_factory.mktemp("four"), timeout=240)
+    """One 4-rank job for DASO, sync EASGD and AllReduce's overlap (about 30 s on 2 cores)."""
+    cases = ["daso", "easgd", "overlap"]
+    job = launch(4, "replicas.py", cases, tmp_path_factory.mktemp("four"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     assert sorted(job.results) == [0, 1, 2, 3]
     return job.results
@@ -41,6 +42,10 @@ def test_sync_settings_are_checked_before_any_work():
             sync="easgd",
             precision="bf16",
         )
+    with pytest.raises(myelin.ConfigError, match=r"AllReduce\(bucket_mb=0\) must be > 0"):
+        myelin.AllReduce(bucket_mb=0)
+    with pytest.raises(myelin.ConfigError, match=r"AllReduce\(overlap='no'\)"):
+        myelin.AllReduce(overlap="no")
     assert isinstance(myelin.PipelineConfig(sync="daso").sync, myelin.DASO)
     assert isinstance(myelin.PipelineConfig().sync, myelin.AllReduce)
 
@@ -111,6 +116,28 @@ def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
     assert len({r["easgd"]["runs"][0][1] for r in four.values()}) == 1  # one center
     assert len({r["easgd"]["runs"][0][0] for r in four.values()}) == 4  # own x_i
     assert four[0]["easgd"]["state_dict_is_center"]
+
+
+def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
+    for r in four.values():
+        o = r["overlap"]
+        for precision in ("fp32", "bf16"):
+            on, off = o[f"{precision}:True"], o[f"{precision}:False"]
+            assert on["digest"] == off["digest"] and on["losses"] == off["losses"]
+            buckets = on["stats"]["buckets"] // 3
+            assert buckets >= 4 and off["stats"]["buckets"] == 3 * buckets
+            assert off["stats"]["buckets_overlapped"] == 0
+            assert on["stats"]["global_bytes"] == 3 * on["numel"] * 4  # fp32 gradients
+            # the last step (2 microbatches): buckets 0, 1, ... in order; those final before
+            # the first layer's gradient went out during the last backward, before it ended
+            for run, when in ((on, "backward"), (off, "after")):
+                launches = [e for e in run["events"] if e[0] != "first"]
+                assert launches == [[when, b] for b in range(buckets)]
+            firsts = [i for i, e in enumerate(on["events"]) if e[0] == "first"]
+            assert firsts[0] == 0 and len(firsts) == 2  # the first microbatch launches nothing
+            assert firsts[1] >= 3  # at least 2 buckets launched before the backward's end
+            assert on["stats"]["buckets_overlapped"] == on["stats"]["buckets"]
+            assert [e[0] for e in off["events"][:2]] == ["first", "first"]  # after: at the end
 
 
 @pytest.fixture(scope="module")

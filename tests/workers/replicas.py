@@ -2,7 +2,8 @@
 
 Run by tests/replicas/test_strategies.py as `myelin run -n 4 replicas.py --out DIR CASE...`
 with CASE one of: daso (4 replicas as 2 nodes of 2), easgd (4 replicas, sync mode),
-async (one replica: async and hogwild EASGD against sync, through the hub).
+async (one replica: async and hogwild EASGD against sync, through the hub), overlap
+(AllReduce's buckets during the last backward against after it).
 """
 
 import argparse
@@ -222,6 +223,50 @@ def case_easgd():
             )
         t.close()
     res["runs"] = runs
+    return res
+
+
+def deep(seed=0):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 32), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(32, 1))
+
+
+def case_overlap():
+    """AllReduce with buckets launched during the last backward against the same buckets
+    launched after it: the same bits (fp32 and bf16), and launches before backward ends."""
+    res = {}
+    for precision in ("fp32", "bf16"):
+        for overlap in (True, False):
+            t = myelin.Trainer(
+                deep(),
+                functools.partial(torch.optim.AdamW, lr=0.01),
+                torch.nn.functional.mse_loss,
+                data_parallel=int(os.environ["WORLD_SIZE"]),
+                microbatches=2,
+                precision=precision,
+                sync=myelin.AllReduce(bucket_mb=0.004, overlap=overlap),  # ~4 KiB buckets
+                timeout=60,
+            )
+            events = t.replicas.trace = []
+            first = t.module[0].weight  # its gradient is final last in every backward
+            first.register_post_accumulate_grad_hook(
+                lambda _, events=events: events.append(["first", -1])
+            )
+            losses = []
+            for step in range(3):
+                events.clear()
+                losses.append(t.step(*batch(t.replica, step)))
+            res[f"{precision}:{overlap}"] = {
+                "digest": digest(flat(t.module).float()),
+                "losses": losses,
+                "events": [list(e) for e in events],
+                "stats": t.replicas.stats(),
+                "numel": flat(t.module).numel(),
+            }
+            t.close()
     return res
 
 
