@@ -263,6 +263,12 @@ class Trainer:
         context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport,
                           self.optimizer)  # fmt: skip
         self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
+        if self.replicas is not None:
+            name, traffic = cfg.sync.name, self.replicas.traffic
+            self.timeline.detail_sources["communication"] = lambda: {
+                "strategy": name,
+                "traffic": traffic(),
+            }
         self.loop = EventLoop(
             stage,
             world,
@@ -486,7 +492,7 @@ class Trainer:
                 self.liveness.close()
             if self.transport is not None:
                 self.transport.close()
-            close_world(self.world)
+            close_world(self.world, self.liveness is not None and self.liveness.lost is not None)
             if getattr(self, "budget", None) is not None:
                 self.budget.close()
             gc.unfreeze()

@@ -88,5 +88,10 @@ class Strategy:
         across nodes, to the hub), and counts of its exchanges."""
         return {}
 
+    def traffic(self) -> dict[str, dict[str, float]]:
+        """This rank's communication by kind ("gradients", "local", "global", "exchange",
+        "loss"): bytes it put in, collectives (or hub requests) and seconds it waited."""
+        return {}
+
     def close(self) -> None:
         """Release what the strategy holds (processes, sockets); safe to call twice."""

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy
+from myelin.replicas.collectives import Collectives
 
 __all__ = ["AllReduce", "AllReduceReplicas", "average_gradients"]
 
@@ -82,6 +82,7 @@ class AllReduceReplicas(Strategy):
         self.group = group
         self.replicas = replicas
         self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
+        self.comm = Collectives(waits)  # bytes, counts and waits: "gradients", "loss"
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
         self.timeline = timeline
@@ -132,9 +133,12 @@ class AllReduceReplicas(Strategy):
             "buckets_overlapped": self.overlapped,
         }
 
+    def traffic(self) -> dict[str, dict[str, float]]:
+        return self.comm.summary()
+
     def eval_loss(self, loss: float) -> float:
         """Average an evaluation loss over the replicas."""
-        return average_gradients([], loss, self.group, self.replicas, self.waits)
+        return self.comm.loss(loss, self.group, self.replicas)
 
 
 def average_gradients(
@@ -202,18 +206,12 @@ class _Reduction:
                 h.grad = torch.zeros_like(h)
             grads.append(h.grad)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.works.append((self._issue(flat), flat, grads))
+        self.works.append((self.owner.comm.start(flat, self.owner.group, "gradients"), flat, grads))
         owner = self.owner
         owner.buckets += 1
         owner.overlapped += when == "backward"
         if owner.trace is not None:
             owner.trace.append((when, b))
-
-    def _issue(self, t: torch.Tensor) -> Any:
-        waits, group = self.owner.waits, self.owner.group
-        if waits is not None:
-            return waits.issue(t, group)
-        return dist.all_reduce(t, group=group, async_op=True)
 
     def finish(self, loss: float) -> float:
         """Launch what is left, wait for every bucket, average; the mean loss."""
@@ -227,13 +225,10 @@ class _Reduction:
         while len(self.works) < len(self.plan):
             self._launch(len(self.works), "after")
         loss_t = torch.tensor([loss], dtype=torch.float64)
-        works = [*self.works, (self._issue(loss_t), None, [])]
         owner = self.owner
+        works = [*self.works, (owner.comm.start(loss_t, owner.group, "loss"), None, [])]
         for work, flat, grads in works:
-            if owner.waits is None:
-                work.wait()
-            else:
-                owner.waits.work(work, strict=False)
+            owner.comm.wait(work, "loss" if flat is None else "gradients")
             if flat is None:
                 continue
             flat.div_(owner.replicas)

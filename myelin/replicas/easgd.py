@@ -22,15 +22,16 @@ and checkpoints use it (`model_view`). Gradients are never averaged; the loss is
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
+from myelin.replicas.collectives import Collectives
 
 __all__ = ["EASGD", "EasgdReplicas", "MODES"]
 
@@ -95,7 +96,7 @@ class EasgdReplicas(Strategy):
         self.group = world.dp_group
         self.t = 0  # this replica's clock: steps done
         self.exchanges = 0
-        self.bytes_sent = 0
+        self.comm = Collectives(getattr(world, "waits", None))  # bounded, counted by kind
         self.center = self._flat().clone()  # every replica starts from the same weights
         self.velocity = torch.zeros_like(self.center) if spec.momentum else None
         self.hub = None
@@ -125,7 +126,7 @@ class EasgdReplicas(Strategy):
         loss_t = torch.tensor([loss], dtype=torch.float64)
         work = None
         if self.group is not None:
-            work = dist.all_reduce(loss_t, group=self.group, async_op=True)
+            work = self.comm.start(loss_t, self.group, "loss")
         self._before = self._flat() if self.velocity is not None else None
         self._pull = None  # e = alpha (x_i - x~) on an exchange step
         if self.t % self.spec.tau == 0 and self.params:
@@ -135,26 +136,32 @@ class EasgdReplicas(Strategy):
                 self._sum = x.clone()
                 self._work = None
                 if self.group is not None:  # overlaps the optimizer step
-                    self._work = dist.all_reduce(self._sum, group=self.group, async_op=True)
-                    self.bytes_sent += x.numel() * 4
+                    self._work = self.comm.start(self._sum, self.group, "exchange")
                 self._pull = self.alpha * (x - self.center)
-            elif self.spec.mode == "async":
-                old = self.hub.exchange(x, self.alpha)  # x~ moved by alpha (x - x~) there
-                self._pull = self.alpha * (x - old)
             else:
-                self._pull = self.alpha * (x - self.hub.read())
-                self.hub.push(self._pull)
+                self._pull = self._hub_exchange(x)
         if work is not None:
-            work.wait()
+            self.comm.wait(work, "loss")
             return float(loss_t.item()) / self.replicas
         return loss
+
+    def _hub_exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """One exchange with the hub, counted (bytes both ways, seconds waited); the pull."""
+        sent, start = self.hub.bytes, time.perf_counter()
+        if self.spec.mode == "async":
+            old = self.hub.exchange(x, self.alpha)  # x~ moved by alpha (x - x~) there
+            pull = self.alpha * (x - old)
+        else:
+            pull = self.alpha * (x - self.hub.read())
+            self.hub.push(pull)
+        self.comm.count("exchange", self.hub.bytes - sent)
+        self.comm.waited("exchange", time.perf_counter() - start)
+        return pull
 
     def eval_loss(self, loss: float) -> float:
         if self.group is None:
             return loss
-        loss_t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(loss_t, group=self.group)
-        return float(loss_t.item()) / self.replicas
+        return self.comm.loss(loss, self.group, self.replicas)
 
     def after_optimizer_step(self) -> None:
         """Momentum on the local update, then the elastic pull (and the sync center)."""
@@ -169,7 +176,7 @@ class EasgdReplicas(Strategy):
         self._set(self._flat().sub_(self._pull))  # e = alpha (x_i - x~), taken before the step
         if self.spec.mode == "sync":
             if self._work is not None:
-                self._work.wait()
+                self.comm.wait(self._work, "exchange")
             self.center.add_(self.alpha * (self._sum - self.replicas * self.center))
 
     def step_end(self) -> None:
@@ -177,9 +184,17 @@ class EasgdReplicas(Strategy):
         if self.hub is not None:
             self.hub.check()
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of x_i this rank put into sync rounds' all-reduces."""
+        return self.comm.traffic["exchange"].bytes if "exchange" in self.comm.traffic else 0
+
     def stats(self) -> dict[str, int]:
         sent = self.hub.bytes if self.hub is not None else self.bytes_sent
         return {"global_bytes": sent, "exchanges": self.exchanges}
+
+    def traffic(self) -> dict[str, dict[str, float]]:
+        return self.comm.summary()
 
     # -- what the model is ----------------------------------------------------
 

@@ -109,6 +109,27 @@ def test_easgd_reductions(four):
         assert e["bytes"] == e["exchanges"] * e["numel"] * 4
 
 
+def test_the_profile_shows_each_strategys_communication(four):
+    """EASGD's exchanges and AllReduce's buckets: bytes = parameter bytes x exchanges."""
+    rows = four[0]["easgd"]["profile_rows"]  # every rank's, as rank 0's report has them
+    assert len(rows) == 4
+    for row in rows:
+        e = four[0]["easgd"]
+        assert row["strategy"] == "easgd"
+        exchange, loss = row["traffic"]["exchange"], row["traffic"]["loss"]
+        assert exchange["bytes"] == e["exchanges"] * e["numel"] * 4
+        assert exchange["count"] == e["exchanges"] and exchange["wait_s"] >= 0
+        assert loss["count"] == 7 and loss["bytes"] == 7 * 8  # one float64 per step
+    text = four[0]["easgd"]["profile_text"]
+    assert "replica communication" in text
+    assert len([x for x in text.splitlines() if " easgd " in x and " exchange " in x]) == 4
+    for r in four.values():
+        on = r["overlap"]["fp32:True"]
+        grads = on["traffic"]["gradients"]
+        assert grads["bytes"] == 3 * on["numel"] * 4  # 3 steps of fp32 gradients
+        assert grads["count"] == on["stats"]["buckets"] and on["traffic"]["loss"]["count"] == 3
+
+
 def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
     for r in four.values():
         e = r["easgd"]

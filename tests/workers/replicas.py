@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import myelin
+from myelin.profile.config import ProfileConfig
 from myelin.replicas.daso_schedule import Average
 
 OUT = ""
@@ -42,7 +43,7 @@ def digest(t):
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
-def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None):
+def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None, profile=None):
     dp = dp or int(os.environ.get("WORLD_SIZE", "1")) // stages
     opt = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
     return myelin.Trainer(
@@ -55,6 +56,7 @@ def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None):
         sync=sync,
         timeout=60,
         resume=resume,
+        profile=profile,
     )
 
 
@@ -199,13 +201,18 @@ def case_easgd():
         max((xa - flat(b.module)).abs().max(), (ca - b.replicas.center).abs().max())
     )
     b.close()
-    # 4. exchanges: floor((T - 1) / tau) + 1; sync rounds all-reduce |W| floats
-    t = trainer(myelin.EASGD(tau=3, alpha=0.1))
+    # 4. exchanges: floor((T - 1) / tau) + 1; sync rounds all-reduce |W| floats; the
+    # profile shows each kind of the strategy's communication
+    profile = ProfileConfig(print_summary=False)
+    t = trainer(myelin.EASGD(tau=3, alpha=0.1), profile=profile)
     for step in range(7):
         t.step(*batch(t.replica, step))
     res["exchanges"], res["bytes"] = t.replicas.exchanges, t.replicas.bytes_sent
     res["numel"] = flat(t.module).numel()
     t.close()
+    report = t.profile_report()
+    res["profile_rows"] = [r["detail"]["communication"] for r in report.summary()["ranks"]]
+    res["profile_text"] = report.format()
     # 5. bitwise reproducible, with random delays, and the center equal on every rank
     runs = []
     for _ in range(2):
@@ -264,6 +271,7 @@ def case_overlap():
                 "losses": losses,
                 "events": [list(e) for e in events],
                 "stats": t.replicas.stats(),
+                "traffic": t.replicas.traffic(),
                 "numel": flat(t.module).numel(),
             }
             t.close()
