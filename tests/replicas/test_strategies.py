@@ -163,7 +163,7 @@ def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    """One worker, no launcher: sync, async and hogwild EASGD (about 30 s: 2 hubs start)."""
+    """One worker: sync, async and hogwild EASGD, async under CURVE (about 35 s: 3 hubs)."""
     job = launch(1, "replicas.py", ["one"], tmp_path_factory.mktemp("one"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     return job.results[0]["one"]
@@ -172,6 +172,7 @@ def one(tmp_path_factory):
 def test_easgd_one_worker_async_and_hogwild_equal_sync(one):
     finals = one["finals"]
     assert finals["async"] == finals["sync"] and finals["hogwild"] == finals["sync"]
+    assert finals["async-curve"] == finals["sync"] and one["curve_client"]  # under CURVE too
     assert one["exchanges"] == 3  # at t = 0, 2, 4
     assert one["hub_requests"] == 1 + 3 + 3  # init, exchanges, 3 reads of the center
     assert one["evaluate_reads"] == 1

@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import zmq
 
 import myelin
 from myelin.profile.config import ProfileConfig
@@ -43,7 +44,9 @@ def digest(t):
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
-def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None, profile=None):
+def trainer(
+    sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None, profile=None, transport=None
+):
     dp = dp or int(os.environ.get("WORLD_SIZE", "1")) // stages
     opt = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
     return myelin.Trainer(
@@ -57,6 +60,7 @@ def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None, profile
         timeout=60,
         resume=resume,
         profile=profile,
+        transport=transport,
     )
 
 
@@ -283,11 +287,17 @@ def case_one():
     evaluation and state_dict see the center; a checkpoint resumes exactly."""
     res = {}
     finals = {}
-    for mode in ("sync", "async", "hogwild"):
-        t = trainer(myelin.EASGD(tau=2, alpha=0.3, mode=mode), dp=1)
+    curve = myelin.TransportConfig(curve=True)
+    for mode in ("sync", "async", "hogwild", "async-curve"):
+        spec = myelin.EASGD(tau=2, alpha=0.3, mode=mode.split("-")[0])
+        t = trainer(spec, dp=1, transport=curve if mode.endswith("curve") else None)
         losses = [t.step(*batch(0, step)) for step in range(5)]
         center = t.replicas.current_center()
         finals[mode] = [digest(flat(t.module)), digest(center), losses]
+        if mode == "async-curve":  # the hub's sockets are CURVE clients of a CURVE server
+            res["curve_client"] = t.replicas.hub.req.getsockopt(zmq.MECHANISM) == zmq.CURVE
+            t.close()
+            continue
         res[f"{mode}_eval"] = t.eval_step(*batch(0, 99))
         with torch.no_grad():  # the model under evaluation is the center
             model = build()
