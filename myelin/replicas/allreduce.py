@@ -1,12 +1,12 @@
 """The default replica strategy: average gradients and the loss over replicas every step.
 
 Gradients go into asynchronous all-reduces over the stage's data-parallel group (gloo on
-CPU, NCCL on GPU) in buckets of `bucket_mb` (25 MiB) of one dtype and device, made in
-reverse order of the parameters (the order backward finishes them, as DDP does). With
-`overlap=True` (the default) a bucket is launched during the step's last backward as soon
-as every gradient in it is final (a post-accumulate-grad hook per parameter), buckets
-strictly in order so that every replica issues the same collectives in the same order;
-what is left is launched when the backwards are done. Then each bucket is waited for
+CPU, NCCL on GPU) in buckets of `bucket_mb` (25 MiB) of consecutive parameters of one
+dtype and device. With `overlap=True` (the default) a bucket is launched during the
+step's last backward as soon as every gradient in it is final (a post-accumulate-grad
+hook per parameter), the last bucket first (backward finishes the last parameters
+first), strictly in that order so that every replica issues the same collectives in the
+same order; what is left is launched when the backwards are done. Then each bucket is waited for
 (bounded: runtime/bounded.py), divided by the number of replicas and copied back. Both
 paths do the same arithmetic on the same buckets, so their results are equal bit for bit.
 The loop does not arm the overlap on a stage whose tied parameters are summed with another
@@ -157,11 +157,13 @@ def average_gradients(
 
 
 def plan_buckets(params: Sequence[Any], owner: AllReduceReplicas) -> list[list[int]]:
-    """Indices of `params` in buckets of about `owner.bucket_bytes`, of one dtype and
-    device, in reverse order (the last parameters' gradients are final first)."""
+    """Indices of `params` in consecutive buckets of about `owner.bucket_bytes`, of one
+    dtype and device, in the parameters' order. Each element's sum depends on where it
+    sits in its bucket (gloo's ring), so these are the buckets the reduction has always
+    used: the same bits as before it overlapped."""
     out: list[list[int]] = []
     size, kind = 0, None
-    for i in reversed(range(len(params))):
+    for i in range(len(params)):
         p = params[i]
         nbytes = p.numel() * p.element_size()
         if not out or size + nbytes > owner.bucket_bytes or kind != (p.dtype, p.device):
@@ -173,14 +175,16 @@ def plan_buckets(params: Sequence[Any], owner: AllReduceReplicas) -> list[list[i
 
 
 class _Reduction:
-    """One step's all-reduce of the gradients in `holders[i].grad`: buckets launched in
-    order (some during backward), then the loss, then every bucket waited and averaged."""
+    """One step's all-reduce of the gradients in `holders[i].grad`: buckets launched last
+    first (the last parameters' gradients are final first in backward), some during the
+    backward, then the loss, then every bucket waited and averaged."""
 
     def __init__(self, holders: Sequence[Any], plan: list[list[int]], owner: AllReduceReplicas):
         self.holders = holders
         self.plan = plan
         self.owner = owner
         self.bucket_of = {i: b for b, bucket in enumerate(plan) for i in bucket}
+        self.order = list(reversed(range(len(plan))))  # launch order, the same on every rank
         self.left = [len(bucket) for bucket in plan]  # gradients not final yet, per bucket
         self.done: set[int] = set()
         self.works: list[tuple[Any, torch.Tensor | None, list[torch.Tensor]]] = []
@@ -194,8 +198,8 @@ class _Reduction:
             return
         self.done.add(i)
         self.left[self.bucket_of[i]] -= 1
-        while len(self.works) < len(self.plan) and self.left[len(self.works)] == 0:
-            self._launch(len(self.works), "backward")
+        while len(self.works) < len(self.plan) and self.left[self.order[len(self.works)]] == 0:
+            self._launch(self.order[len(self.works)], "backward")
 
     def _launch(self, b: int, when: str) -> None:
         grads = []
@@ -223,7 +227,7 @@ class _Reduction:
                 "all-reduce had started; use AllReduce(overlap=False)"
             )
         while len(self.works) < len(self.plan):
-            self._launch(len(self.works), "after")
+            self._launch(self.order[len(self.works)], "after")
         loss_t = torch.tensor([loss], dtype=torch.float64)
         owner = self.owner
         works = [*self.works, (owner.comm.start(loss_t, owner.group, "loss"), None, [])]

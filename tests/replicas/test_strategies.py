@@ -142,18 +142,18 @@ def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
 def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
     for r in four.values():
         o = r["overlap"]
-        for precision in ("fp32", "bf16"):
-            on, off = o[f"{precision}:True"], o[f"{precision}:False"]
+        for variant in ("fp32", "bf16", "offload"):
+            on, off = o[f"{variant}:True"], o[f"{variant}:False"]
             assert on["digest"] == off["digest"] and on["losses"] == off["losses"]
             buckets = on["stats"]["buckets"] // 3
             assert buckets >= 4 and off["stats"]["buckets"] == 3 * buckets
             assert off["stats"]["buckets_overlapped"] == 0
             assert on["stats"]["global_bytes"] == 3 * on["numel"] * 4  # fp32 gradients
-            # the last step (2 microbatches): buckets 0, 1, ... in order; those final before
+            # the last step (2 microbatches): buckets last to first; those final before
             # the first layer's gradient went out during the last backward, before it ended
             for run, when in ((on, "backward"), (off, "after")):
                 launches = [e for e in run["events"] if e[0] != "first"]
-                assert launches == [[when, b] for b in range(buckets)]
+                assert launches == [[when, b] for b in reversed(range(buckets))]
             firsts = [i for i, e in enumerate(on["events"]) if e[0] == "first"]
             assert firsts[0] == 0 and len(firsts) == 2  # the first microbatch launches nothing
             assert firsts[1] >= 3  # at least 2 buckets launched before the backward's end

@@ -247,9 +247,11 @@ def deep(seed=0):
 
 def case_overlap():
     """AllReduce with buckets launched during the last backward against the same buckets
-    launched after it: the same bits (fp32 and bf16), and launches before backward ends."""
+    launched after it: the same bits (fp32, bf16, optimizer offload), and launches before
+    backward ends."""
     res = {}
-    for precision in ("fp32", "bf16"):
+    offload = myelin.OffloadConfig(optimizer=True, bucket_bytes=4096)
+    for variant in ("fp32", "bf16", "offload"):
         for overlap in (True, False):
             t = myelin.Trainer(
                 deep(),
@@ -257,7 +259,8 @@ def case_overlap():
                 torch.nn.functional.mse_loss,
                 data_parallel=int(os.environ["WORLD_SIZE"]),
                 microbatches=2,
-                precision=precision,
+                precision="bf16" if variant == "bf16" else "fp32",
+                offload=offload if variant == "offload" else None,
                 sync=myelin.AllReduce(bucket_mb=0.004, overlap=overlap),  # ~4 KiB buckets
                 timeout=60,
             )
@@ -270,7 +273,7 @@ def case_overlap():
             for step in range(3):
                 events.clear()
                 losses.append(t.step(*batch(t.replica, step)))
-            res[f"{precision}:{overlap}"] = {
+            res[f"{variant}:{overlap}"] = {
                 "digest": digest(flat(t.module).float()),
                 "losses": losses,
                 "events": [list(e) for e in events],
