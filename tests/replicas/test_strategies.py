@@ -107,6 +107,9 @@ def test_easgd_reductions(four):
         assert e["momentum_diff"] < 1e-5  # MEASGD's mu == SGD momentum, elastic outside v
         assert e["exchanges"] == (7 - 1) // 3 + 1  # t = 0, 3, 6
         assert e["bytes"] == e["exchanges"] * e["numel"] * 4
+        # a sync round's all-reduce is not waited for at its step: it runs through the
+        # round, and the center takes it when needed (the next pull, reading the center)
+        assert e["flights"] == [True] * 7 and e["settled"]
 
 
 def test_the_profile_shows_each_strategys_communication(four):

@@ -209,8 +209,12 @@ def case_easgd():
     # profile shows each kind of the strategy's communication
     profile = ProfileConfig(print_summary=False)
     t = trainer(myelin.EASGD(tau=3, alpha=0.1), profile=profile)
+    flights = []  # the round's all-reduce runs on until the center is needed
     for step in range(7):
         t.step(*batch(t.replica, step))
+        flights.append(t.replicas.in_flight)
+    res["flights"] = flights
+    res["settled"] = t.replicas.center is not None and not t.replicas.in_flight
     res["exchanges"], res["bytes"] = t.replicas.exchanges, t.replicas.bytes_sent
     res["numel"] = flat(t.module).numel()
     t.close()
