@@ -263,12 +263,6 @@ class Trainer:
         context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport,
                           self.optimizer)  # fmt: skip
         self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
-        if self.replicas is not None:
-            name, traffic = cfg.sync.name, self.replicas.traffic
-            self.timeline.detail_sources["communication"] = lambda: {
-                "strategy": name,
-                "traffic": traffic(),
-            }
         self.loop = EventLoop(
             stage,
             world,

@@ -82,7 +82,7 @@ class AllReduceReplicas(Strategy):
         self.group = group
         self.replicas = replicas
         self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
-        self.comm = Collectives(waits)  # bytes, counts and waits: "gradients", "loss"
+        self.comm = Collectives(waits, timeline, "allreduce")  # "gradients", "loss"
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
         self.timeline = timeline

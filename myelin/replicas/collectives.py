@@ -4,7 +4,8 @@ Every all-reduce or broadcast a strategy makes goes through `Collectives`, so a 
 dies or leaves during one is a PeerLostError or PeerLeftError naming it within the
 heartbeat's seconds, never a hang, and each kind of communication ("gradients", "local",
 "global", "exchange", "loss") has its bytes (what this rank put in), its count and the
-seconds this rank waited for it, for `stats()`, the profile and the run summary.
+seconds this rank waited for it, for `traffic()`, and for the profile's records (and so
+the report and the run summary) where it is given the rank's timeline.
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ class Collectives:
     """This rank's strategy collectives. waits: runtime/bounded.Waits (None in a world of
     one process, where nothing can be lost)."""
 
-    def __init__(self, waits: Any) -> None:
+    def __init__(self, waits: Any, timeline: Any = None, strategy: str | None = None) -> None:
         self.waits = waits
         self.traffic: dict[str, Traffic] = {}
+        if timeline is not None and strategy is not None:  # into the profile's records
+            timeline.detail_sources["communication"] = lambda: {
+                "strategy": strategy,
+                "traffic": self.summary(),
+            }
 
     def count(self, kind: str, nbytes: int, n: int = 1) -> None:
         """Count `nbytes` of `kind` that went out another way (the hub's messages)."""

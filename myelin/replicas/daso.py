@@ -137,7 +137,7 @@ class DasoReplicas(Strategy):
         self.local_group, self.global_groups = _make_groups(world, self.g)
         self.schedule: DasoSchedule | None = None
         self.pending: dict[int, tuple[list[Any], list[torch.Tensor], int]] = {}
-        self.comm = Collectives(getattr(world, "waits", None))  # bounded, counted by kind
+        self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "daso")
         self.downcast = self._probe(_DOWNCAST[spec.downcast])
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step

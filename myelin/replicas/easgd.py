@@ -99,7 +99,7 @@ class EasgdReplicas(Strategy):
         self.group = world.dp_group
         self.t = 0  # this replica's clock: steps done
         self.exchanges = 0
-        self.comm = Collectives(getattr(world, "waits", None))  # bounded, counted by kind
+        self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "easgd")
         self._center = self._flat().clone()  # every replica starts from the same weights
         self._round: tuple[torch.Tensor, Any] | None = None  # (sum, work): not yet applied
         self.velocity = torch.zeros_like(self._center) if spec.momentum else None
