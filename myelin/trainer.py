@@ -486,7 +486,7 @@ class Trainer:
                 self.liveness.close()
             if self.transport is not None:
                 self.transport.close()
-            close_world(self.world)
+            close_world(self.world, self.liveness is not None and self.liveness.lost is not None)
             if getattr(self, "budget", None) is not None:
                 self.budget.close()
             gc.unfreeze()

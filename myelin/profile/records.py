@@ -51,7 +51,10 @@ def collect(
         "spans": [[getattr(s, f) for f in SPAN_FIELDS] for s in spans],
         "folded": getattr(timeline, "folded", None),  # older spans' totals (window.py)
         "counters": {**(counters or {}), **getattr(timeline, "counters", {})},
-        "detail": dict(getattr(timeline, "detail", {})),
+        "detail": {
+            **getattr(timeline, "detail", {}),
+            **{k: f() for k, f in getattr(timeline, "detail_sources", {}).items()},
+        },
     }
 
 

@@ -19,7 +19,15 @@ from myelin.profile.accounting import HTA_CAUSES, Interval, account, add_seconds
 from myelin.profile.attribution import attribute
 from myelin.profile.spans import Span
 
-__all__ = ["SUMMARY_FORMAT", "format_summary", "pct", "steady", "steps_of", "summarize"]
+__all__ = [
+    "SUMMARY_FORMAT",
+    "format_communication",
+    "format_summary",
+    "pct",
+    "steady",
+    "steps_of",
+    "summarize",
+]
 
 SUMMARY_FORMAT = "myelin-profile-summary"
 
@@ -199,7 +207,37 @@ def format_summary(summary: dict[str, Any]) -> str:
             title += f" (after {summary['warmup_steps']} warm-up)"
     if summary.get("missing_ranks"):
         title += f"; ranks {summary['missing_ranks']} sent no records"
-    return "\n".join([title, *text])
+    return "\n".join([title, *text, *format_communication(rows)])
+
+
+def format_communication(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The replica strategy's communication per rank and kind (whole run), as table lines;
+    none when no rank recorded any (one replica)."""
+    table = []
+    for r in rows:
+        comm = (r.get("detail") or {}).get("communication")
+        for kind, t in (comm or {}).get("traffic", {}).items():
+            cells = [str(r["rank"]), comm["strategy"], kind, _size(t["bytes"]), str(t["count"])]
+            table.append([*cells, f"{t['wait_s']:.3f}"])
+    if not table:
+        return []
+    head = ["rank", "sync", "kind", "bytes", "count", "wait s"]
+    widths = [max(len(row[i]) for row in [head, *table]) for i in range(len(head))]
+    lines = [
+        "  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in [head, *table]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    title = "replica communication (whole run): bytes each rank put in, collectives, time waited"
+    return ["", title, *lines]
+
+
+def _size(n: float) -> str:
+    """A byte count for people: 512 B, 1.9 KiB, 330.8 MiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def pct(x: float) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +68,9 @@ class Timeline:
         # tracks {name: [[seconds since origin, value], ...]} and figures for summary.json
         self.counters: dict[str, list[list[float]]] = {}
         self.detail: dict[str, Any] = {}
+        # figures for `detail` read when the record is collected (the replica strategy's
+        # communication by kind: trainer.py)
+        self.detail_sources: dict[str, Callable[[], Any]] = {}
 
     @classmethod
     def of_profile(

@@ -3,9 +3,10 @@
 A strategy is chosen with `Trainer(..., sync=...)`: a settings object (`AllReduce()`,
 `DASO(...)`, `EASGD(...)`) that is validated when built and, once the world exists, builds
 the `Strategy` that runs on this rank (`spec.build(context)`). The event loop calls the
-running strategy at fixed points of each training step: when the step's backwards are
-done (`backwards_done`, which returns the step's loss as the replicas agree on it), after
-the optimizer step, and at the step's end. A strategy owns its state (a center, a
+running strategy at fixed points of each training step: before the step's last backward
+(`last_backward`: gradients may start to travel as they become final), when the step's
+backwards are done (`backwards_done`, which returns the step's loss as the replicas agree
+on it), after the optimizer step, and at the step's end. A strategy owns its state (a center, a
 schedule, pending sends), which checkpoints carry (`state_dict`), and says what the model
 *is* (`model_view`: the center for EASGD), which evaluation, `state_dict()` and
 checkpoints use.
@@ -14,7 +15,7 @@ checkpoints use.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,11 @@ class Strategy:
     """The hooks a running replica strategy implements; each default does nothing."""
 
     reduces_gradients = False  # gradients change after the backwards (they cannot stream early)
+
+    def last_backward(self, params: Sequence[Any], holders: Sequence[Any]) -> None:
+        """The step's last backward on this stage is about to run: a gradient is final once
+        its parameter's post-accumulate hook runs (`holders[i].grad` is `params[i]`'s fp32
+        gradient). Not called where gradients change after the backwards (tied stages)."""
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Every backward of the step has run on this stage: agree on gradients and loss.
@@ -80,6 +86,11 @@ class Strategy:
     def stats(self) -> dict[str, int]:
         """Bytes this rank put into the strategy's communication, by kind (inside a node,
         across nodes, to the hub), and counts of its exchanges."""
+        return {}
+
+    def traffic(self) -> dict[str, dict[str, float]]:
+        """This rank's communication by kind ("gradients", "local", "global", "exchange",
+        "loss"): bytes it put in, collectives (or hub requests) and seconds it waited."""
         return {}
 
     def close(self) -> None:

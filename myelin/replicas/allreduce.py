@@ -1,41 +1,66 @@
 """The default replica strategy: average gradients and the loss over replicas every step.
 
-When a stage's backwards are done, its gradients and the step's loss go into
-asynchronous all-reduces over the stage's data-parallel group (gloo on CPU, NCCL on
-GPU), in ~25 MiB buckets of one dtype and device, all in flight at once; then each
-bucket is divided by the number of replicas and copied back.
+Gradients go into asynchronous all-reduces over the stage's data-parallel group (gloo on
+CPU, NCCL on GPU) in buckets of `bucket_mb` (25 MiB) of consecutive parameters of one
+dtype and device. With `overlap=True` (the default) a bucket is launched during the
+step's last backward as soon as every gradient in it is final (a post-accumulate-grad
+hook per parameter), the last bucket first (backward finishes the last parameters
+first), strictly in that order so that every replica issues the same collectives in the
+same order; what is left is launched when the backwards are done. Then each bucket is waited for
+(bounded: runtime/bounded.py), divided by the number of replicas and copied back. Both
+paths do the same arithmetic on the same buckets, so their results are equal bit for bit.
+The loop does not arm the overlap on a stage whose tied parameters are summed with another
+stage after the backwards (their gradients are not final when backward ends).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy
+from myelin.replicas.collectives import Collectives
 
 __all__ = ["AllReduce", "AllReduceReplicas", "average_gradients"]
-
-_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AllReduce:
     """The default: every step, gradients and the loss are averaged over the replicas.
 
+    bucket_mb: size of one all-reduce bucket, in MiB.
+    overlap: launch each bucket during the step's last backward once its gradients are
+      final, instead of after the backward.
     What the model is: the parameters, identical on every replica after every step.
     """
 
     name = "allreduce"
+    bucket_mb: float = 25.0
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)):
+            raise ConfigError(f"AllReduce(bucket_mb={self.bucket_mb!r}) must be a number > 0")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"AllReduce(bucket_mb={self.bucket_mb}) must be > 0")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"AllReduce(overlap={self.overlap!r}) must be True or False")
 
     def build(self, ctx: Context) -> Strategy | None:
         """The running strategy on this rank; None with one replica (nothing to agree on)."""
         if ctx.world.dp_group is None:
             return None
         return AllReduceReplicas(
-            ctx.world.dp_group, ctx.world.layout.data_parallel, getattr(ctx.world, "waits", None)
+            ctx.world.dp_group,
+            ctx.world.layout.data_parallel,
+            getattr(ctx.world, "waits", None),
+            bucket_bytes=max(1, int(self.bucket_mb * 2**20)),
+            overlap=self.overlap,
+            timeline=ctx.timeline,
         )
 
 
@@ -44,80 +69,179 @@ class AllReduceReplicas(Strategy):
 
     reduces_gradients = True
 
-    def __init__(self, group: Any, replicas: int, waits: Any = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        replicas: int,
+        waits: Any = None,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        overlap: bool = True,
+        timeline: Any = None,
+    ) -> None:
         self.group = group
         self.replicas = replicas
         self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
+        self.comm = Collectives(waits, timeline, "allreduce")  # "gradients", "loss"
+        self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+        self.timeline = timeline
         self.bytes = 0  # gradient bytes this rank put into all-reduces
+        self.buckets = 0  # buckets all-reduced
+        self.overlapped = 0  # of them, launched during the last backward
+        self.trace: list[tuple[str, int]] | None = None  # a list: (when, bucket) per launch
+        self._hooked: tuple[list[Any], list[Any]] | None = None
+        self._step: _Reduction | None = None  # the reduction the hooks feed, while armed
+
+    def last_backward(self, params: Sequence[Any], holders: Sequence[Any]) -> None:
+        """The step's last backward is about to run: launch buckets as their gradients
+        become final. `holders[i].grad` is the fp32 gradient of `params[i]` (a carrier's
+        under half precision, whose summing hook runs before ours)."""
+        if not self.overlap or not holders:
+            return
+        if self._hooked is None or self._hooked[1] is not holders:
+            self._hook(list(params), holders)
+        self._step = _Reduction(holders, self._plan, self)
+
+    def _hook(self, params: list[Any], holders: Sequence[Any]) -> None:
+        if self._hooked is not None:
+            raise MyelinError("AllReduce: the parameters whose gradients it reduces changed")
+        self._hooked = (params, holders)
+        self._plan = plan_buckets(holders, self)
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._final(i))
+
+    def _final(self, i: int) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            if self._step is not None:
+                self._step.final(i)
+
+        return hook
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and the loss over the replicas."""
         self.bytes += sum(p.numel() * p.element_size() for p in params)
-        return average_gradients(params, loss, self.group, self.replicas, self.waits)
+        run, self._step = self._step, None
+        if run is None:
+            run = _Reduction(params, plan_buckets(params, self), self)
+        return run.finish(loss)
 
     def stats(self) -> dict[str, int]:
-        return {"global_bytes": self.bytes}
+        return {
+            "global_bytes": self.bytes,
+            "buckets": self.buckets,
+            "buckets_overlapped": self.overlapped,
+        }
+
+    def traffic(self) -> dict[str, dict[str, float]]:
+        return self.comm.summary()
 
     def eval_loss(self, loss: float) -> float:
         """Average an evaluation loss over the replicas."""
-        return average_gradients([], loss, self.group, self.replicas, self.waits)
+        return self.comm.loss(loss, self.group, self.replicas)
 
 
 def average_gradients(
-    params: list[torch.nn.Parameter], loss: float, group: Any, replicas: int, waits: Any = None
+    params: Sequence[Any],
+    loss: float,
+    group: Any,
+    replicas: int,
+    waits: Any = None,
+    bucket_bytes: int = 25 * 2**20,
 ) -> float:
-    """Average gradients and the loss over `group`: asynchronous all-reduces in ~25 MiB
-    buckets, all in flight at once. A parameter no replica used keeps grad None. With
-    `waits` (runtime/bounded.py) a lost or departed replica raises instead of hanging."""
-    had_grad = [p.grad is not None for p in params]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    loss_t = torch.tensor([loss], dtype=torch.float64)
-    issue = waits.issue if waits is not None else _issue
-    works = [(issue(loss_t, group), None, None)]
-    for bucket in _buckets([p.grad for p in params]):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        works.append((issue(flat, group), flat, bucket))
-    for work, flat, bucket in works:
-        if waits is None:
-            work.wait()
-        else:
-            waits.work(work, strict=False)
-        if flat is None:
-            continue
-        flat.div_(replicas)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-    for p, had in zip(params, had_grad, strict=True):
-        if not had and not p.grad.any():
-            p.grad = None  # unused everywhere: leave it to the optimizer to skip
-    return float(loss_t.item()) / replicas
+    """Average gradients and the loss over `group`: asynchronous all-reduces in buckets,
+    all in flight at once. A parameter no replica used keeps grad None. With `waits`
+    (runtime/bounded.py) a lost or departed replica raises instead of hanging."""
+    owner = AllReduceReplicas(group, replicas, waits, bucket_bytes=bucket_bytes, overlap=False)
+    return _Reduction(params, plan_buckets(params, owner), owner).finish(loss)
 
 
-def _issue(t: torch.Tensor, group: Any) -> Any:
-    return dist.all_reduce(t, group=group, async_op=True)
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype and device, about _BUCKET_BYTES each."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if (
-            not out
-            or size + nbytes > _BUCKET_BYTES
-            or (out[-1][0].dtype, out[-1][0].device)
-            != (
-                g.dtype,
-                g.device,
-            )
-        ):
+def plan_buckets(params: Sequence[Any], owner: AllReduceReplicas) -> list[list[int]]:
+    """Indices of `params` in consecutive buckets of about `owner.bucket_bytes`, of one
+    dtype and device, in the parameters' order. Each element's sum depends on where it
+    sits in its bucket (gloo's ring), so these are the buckets the reduction has always
+    used: the same bits as before it overlapped."""
+    out: list[list[int]] = []
+    size, kind = 0, None
+    for i in range(len(params)):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if not out or size + nbytes > owner.bucket_bytes or kind != (p.dtype, p.device):
             out.append([])
-            size = 0
-        out[-1].append(g)
+            size, kind = 0, (p.dtype, p.device)
+        out[-1].append(i)
         size += nbytes
     return out
+
+
+class _Reduction:
+    """One step's all-reduce of the gradients in `holders[i].grad`: buckets launched last
+    first (the last parameters' gradients are final first in backward), some during the
+    backward, then the loss, then every bucket waited and averaged."""
+
+    def __init__(self, holders: Sequence[Any], plan: list[list[int]], owner: AllReduceReplicas):
+        self.holders = holders
+        self.plan = plan
+        self.owner = owner
+        self.bucket_of = {i: b for b, bucket in enumerate(plan) for i in bucket}
+        self.order = list(reversed(range(len(plan))))  # launch order, the same on every rank
+        self.left = [len(bucket) for bucket in plan]  # gradients not final yet, per bucket
+        self.done: set[int] = set()
+        self.works: list[tuple[Any, torch.Tensor | None, list[torch.Tensor]]] = []
+        self.had: dict[int, bool] = {}
+        self.twice: int | None = None
+
+    def final(self, i: int) -> None:
+        """Parameter i's gradient is final (its hook ran in the last backward)."""
+        if i in self.done:
+            self.twice = i  # accumulated twice in one backward: its bucket may have left
+            return
+        self.done.add(i)
+        self.left[self.bucket_of[i]] -= 1
+        while len(self.works) < len(self.plan) and self.left[self.order[len(self.works)]] == 0:
+            self._launch(self.order[len(self.works)], "backward")
+
+    def _launch(self, b: int, when: str) -> None:
+        grads = []
+        for i in self.plan[b]:
+            h = self.holders[i]
+            self.had[i] = h.grad is not None
+            if h.grad is None:
+                h.grad = torch.zeros_like(h)
+            grads.append(h.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.works.append((self.owner.comm.start(flat, self.owner.group, "gradients"), flat, grads))
+        owner = self.owner
+        owner.buckets += 1
+        owner.overlapped += when == "backward"
+        if owner.trace is not None:
+            owner.trace.append((when, b))
+
+    def finish(self, loss: float) -> float:
+        """Launch what is left, wait for every bucket, average; the mean loss."""
+        if self.twice is not None:
+            raise MyelinError(
+                f"AllReduce(overlap=True): parameter {self.twice} of this stage got its "
+                "gradient twice in the step's last backward (reentrant checkpointing, or "
+                "one module called twice under separate backward calls), after its bucket's "
+                "all-reduce had started; use AllReduce(overlap=False)"
+            )
+        while len(self.works) < len(self.plan):
+            self._launch(self.order[len(self.works)], "after")
+        loss_t = torch.tensor([loss], dtype=torch.float64)
+        owner = self.owner
+        works = [*self.works, (owner.comm.start(loss_t, owner.group, "loss"), None, [])]
+        for work, flat, grads in works:
+            owner.comm.wait(work, "loss" if flat is None else "gradients")
+            if flat is None:
+                continue
+            flat.div_(owner.replicas)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for i, had in self.had.items():
+            h = self.holders[i]
+            if not had and not h.grad.any():
+                h.grad = None  # unused everywhere: leave it to the optimizer to skip
+        return float(loss_t.item()) / owner.replicas

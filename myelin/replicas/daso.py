@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy
+from myelin.replicas.collectives import Collectives
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
 
 __all__ = ["DASO", "DasoReplicas", "merge_stale", "node_size_for"]
@@ -136,8 +137,8 @@ class DasoReplicas(Strategy):
         self.local_group, self.global_groups = _make_groups(world, self.g)
         self.schedule: DasoSchedule | None = None
         self.pending: dict[int, tuple[list[Any], list[torch.Tensor], int]] = {}
+        self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "daso")
         self.downcast = self._probe(_DOWNCAST[spec.downcast])
-        self.bytes_local = self.bytes_global = 0  # what this rank put into collectives
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step
         self.synced = self._flat()  # the parameters of the last blocking average
@@ -178,11 +179,11 @@ class DasoReplicas(Strategy):
         ok = torch.ones(1)
         if group is not None:
             try:
-                dist.all_reduce(torch.ones(2, dtype=dtype), group=group)
+                self.comm.all_reduce(torch.ones(2, dtype=dtype), group, "probe")
             except (RuntimeError, ValueError) as exc:
                 ok.zero_()
                 log.warning("DASO: %s all-reduce failed on this backend (%s)", dtype, exc)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.dp_group)
+        self.comm.all_reduce(ok, self.dp_group, "probe", op=dist.ReduceOp.MIN)
         if ok.item() == 0:
             log.warning("DASO: blocking averages fall back from %s to fp32", dtype)
             return torch.float32
@@ -194,21 +195,18 @@ class DasoReplicas(Strategy):
         """Average the gradients inside the node (when the schedule says so) and the loss
         over every replica (the plateau rule must see the same loss everywhere)."""
         loss_t = torch.tensor([loss], dtype=torch.float64)
-        work = dist.all_reduce(loss_t, group=self.dp_group, async_op=True)
+        work = self.comm.start(loss_t, self.dp_group, "loss")
         if self._sched().local_sync and self.local_group is not None and params:
             flat = torch.cat([_grad(p).reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.local_group)
-            self.bytes_local += flat.numel() * flat.element_size()
+            self.comm.all_reduce(flat, self.local_group, "local")
             flat.div_(self.g)
             _unflatten(flat, [p.grad for p in params])
-        work.wait()
+        self.comm.wait(work, "loss")
         self._loss = float(loss_t.item()) / self.replicas
         return self._loss
 
     def eval_loss(self, loss: float) -> float:
-        loss_t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(loss_t, group=self.dp_group)
-        return float(loss_t.item()) / self.replicas
+        return self.comm.loss(loss, self.dp_group, self.replicas)
 
     def after_optimizer_step(self) -> None:
         """Run the step's DASO events: sends, merges, blocking averages."""
@@ -235,14 +233,13 @@ class DasoReplicas(Strategy):
         chunks = _chunks(flat, self.spec.sending_chunk_size)
         works = []
         if group is not None:
-            works = [dist.all_reduce(c, group=group, async_op=True) for c in chunks]
-            self.bytes_global += flat.numel() * flat.element_size()
+            works = [self.comm.start(c, group, "global") for c in chunks]
         self.pending[ev.id] = (works, chunks, ev.wait)
 
     def _finish(self, send_id: int) -> tuple[torch.Tensor, int]:
         works, chunks, wait = self.pending.pop(send_id)
         for w in works:
-            w.wait()
+            self.comm.wait(w, "global")
         return torch.cat(chunks), wait
 
     def _merge(self, ev: Merge) -> None:
@@ -288,9 +285,18 @@ class DasoReplicas(Strategy):
             return
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
         src = dist.get_global_rank(self.local_group, local_src)
-        dist.broadcast(flat, src, group=self.local_group)
-        self.bytes_local += flat.numel() * flat.element_size()
+        self.comm.broadcast(flat, src, self.local_group, "local")
         _unflatten(flat, [p.data for p in self.params])
+
+    @property
+    def bytes_local(self) -> int:
+        """Bytes this rank put into its node's collectives (gradient averages, broadcasts)."""
+        return self.comm.traffic["local"].bytes if "local" in self.comm.traffic else 0
+
+    @property
+    def bytes_global(self) -> int:
+        """Bytes this rank put into averages across nodes (as one node's sender)."""
+        return self.comm.traffic["global"].bytes if "global" in self.comm.traffic else 0
 
     def stats(self) -> dict[str, int]:
         s = self._sched()
@@ -299,6 +305,9 @@ class DasoReplicas(Strategy):
             "global_bytes": self.bytes_global,
             "sends": s.sends,
         }
+
+    def traffic(self) -> dict[str, dict[str, float]]:
+        return self.comm.summary()
 
     # -- checkpoints ------------------------------------------------------------
 

@@ -6,7 +6,10 @@ toward a center x~ with the moving rate alpha (= eta * rho):
     sync      one all-reduce of the x_i per round; every rank keeps the center:
                   d = x_i - x~ (before the optimizer step)
                   x_i <- step(x_i) - alpha d,   x~ <- x~ + alpha (sum_i x_i - p x~)
-              lock-step and in a fixed reduction order, so bitwise reproducible
+              lock-step and in a fixed reduction order, so bitwise reproducible. The
+              all-reduce runs through the round's steps: the center takes its sum when
+              it is next needed (the next round's pull, evaluation, a checkpoint), the
+              same numbers as taking it at once, without waiting for it at once
     async     the center lives in the hub (replicas/hub.py); an exchange is one round
               trip served first come first served: send x_i, get x~ back while the hub
               moves x~ by alpha (x_i - x~) (You et al.)
@@ -22,15 +25,16 @@ and checkpoints use it (`model_view`). Gradients are never averaged; the loss is
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
+from myelin.replicas.collectives import Collectives
 
 __all__ = ["EASGD", "EasgdReplicas", "MODES"]
 
@@ -95,15 +99,16 @@ class EasgdReplicas(Strategy):
         self.group = world.dp_group
         self.t = 0  # this replica's clock: steps done
         self.exchanges = 0
-        self.bytes_sent = 0
-        self.center = self._flat().clone()  # every replica starts from the same weights
-        self.velocity = torch.zeros_like(self.center) if spec.momentum else None
+        self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "easgd")
+        self._center = self._flat().clone()  # every replica starts from the same weights
+        self._round: tuple[torch.Tensor, Any] | None = None  # (sum, work): not yet applied
+        self.velocity = torch.zeros_like(self._center) if spec.momentum else None
         self.hub = None
         self._viewing = False
         if spec.mode != "sync":
             from myelin.replicas.hub_client import connect_hub
 
-            self.hub = connect_hub(world, ctx, self.center)
+            self.hub = connect_hub(world, ctx, self._center)
 
     def _flat(self) -> torch.Tensor:
         if not self.params:
@@ -125,39 +130,47 @@ class EasgdReplicas(Strategy):
         loss_t = torch.tensor([loss], dtype=torch.float64)
         work = None
         if self.group is not None:
-            work = dist.all_reduce(loss_t, group=self.group, async_op=True)
+            work = self.comm.start(loss_t, self.group, "loss")
         self._before = self._flat() if self.velocity is not None else None
         self._pull = None  # e = alpha (x_i - x~) on an exchange step
         if self.t % self.spec.tau == 0 and self.params:
             x = self._flat()
             self.exchanges += 1
             if self.spec.mode == "sync":
-                self._sum = x.clone()
-                self._work = None
-                if self.group is not None:  # overlaps the optimizer step
-                    self._work = dist.all_reduce(self._sum, group=self.group, async_op=True)
-                    self.bytes_sent += x.numel() * 4
-                self._pull = self.alpha * (x - self.center)
-            elif self.spec.mode == "async":
-                old = self.hub.exchange(x, self.alpha)  # x~ moved by alpha (x - x~) there
-                self._pull = self.alpha * (x - old)
+                self._settle()  # the last round's sum, into the center this pull needs
+                total = x.clone()
+                work = None
+                if self.group is not None:  # runs until the center is next needed
+                    work = self.comm.start(total, self.group, "exchange")
+                self._round = (total, work)
+                self._pull = self.alpha * (x - self._center)
             else:
-                self._pull = self.alpha * (x - self.hub.read())
-                self.hub.push(self._pull)
+                self._pull = self._hub_exchange(x)
         if work is not None:
-            work.wait()
+            self.comm.wait(work, "loss")
             return float(loss_t.item()) / self.replicas
         return loss
+
+    def _hub_exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """One exchange with the hub, counted (bytes both ways, seconds waited); the pull."""
+        sent, start = self.hub.bytes, time.perf_counter()
+        if self.spec.mode == "async":
+            old = self.hub.exchange(x, self.alpha)  # x~ moved by alpha (x - x~) there
+            pull = self.alpha * (x - old)
+        else:
+            pull = self.alpha * (x - self.hub.read())
+            self.hub.push(pull)
+        self.comm.count("exchange", self.hub.bytes - sent)
+        self.comm.waited("exchange", time.perf_counter() - start)
+        return pull
 
     def eval_loss(self, loss: float) -> float:
         if self.group is None:
             return loss
-        loss_t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(loss_t, group=self.group)
-        return float(loss_t.item()) / self.replicas
+        return self.comm.loss(loss, self.group, self.replicas)
 
     def after_optimizer_step(self) -> None:
-        """Momentum on the local update, then the elastic pull (and the sync center)."""
+        """Momentum on the local update, then the elastic pull."""
         if not self.params:
             return
         if self.velocity is not None:
@@ -167,19 +180,45 @@ class EasgdReplicas(Strategy):
         if self._pull is None:
             return
         self._set(self._flat().sub_(self._pull))  # e = alpha (x_i - x~), taken before the step
-        if self.spec.mode == "sync":
-            if self._work is not None:
-                self._work.wait()
-            self.center.add_(self.alpha * (self._sum - self.replicas * self.center))
+
+    def _settle(self) -> None:
+        """Wait for the last sync round's sum and move the center by it:
+        x~ <- x~ + alpha (sum_i x_i - p x~)."""
+        if self._round is None:
+            return
+        total, work = self._round
+        self._round = None
+        if work is not None:
+            self.comm.wait(work, "exchange")
+        self._center.add_(self.alpha * (total - self.replicas * self._center))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether the last sync round's all-reduce is not yet taken into the center."""
+        return self._round is not None
+
+    @property
+    def center(self) -> torch.Tensor:
+        """This rank's copy of the center (sync mode), the last round taken in."""
+        self._settle()
+        return self._center
 
     def step_end(self) -> None:
         self.t += 1
         if self.hub is not None:
             self.hub.check()
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of x_i this rank put into sync rounds' all-reduces."""
+        return self.comm.traffic["exchange"].bytes if "exchange" in self.comm.traffic else 0
+
     def stats(self) -> dict[str, int]:
         sent = self.hub.bytes if self.hub is not None else self.bytes_sent
         return {"global_bytes": sent, "exchanges": self.exchanges}
+
+    def traffic(self) -> dict[str, dict[str, float]]:
+        return self.comm.summary()
 
     # -- what the model is ----------------------------------------------------
 
@@ -214,13 +253,18 @@ class EasgdReplicas(Strategy):
         if "local" not in state:
             return
         if self.hub is None:
-            self.center = self._flat().clone()
+            self._round = None
+            self._center = self._flat().clone()
         self._set(state["local"])
         self.t, self.exchanges = int(state["t"]), int(state["exchanges"])
         if self.velocity is not None and "velocity" in state:
             self.velocity.copy_(state["velocity"])
 
     def close(self) -> None:
+        try:  # no collective left in flight on a group about to be destroyed
+            self._settle()
+        except Exception:  # a peer lost: the trainer's error says so already
+            self._round = None
         if self.hub is not None:
             self.hub.close()
             self.hub = None

@@ -1,6 +1,6 @@
 """The hub: a host-memory parameter server in a process of its own, speaking myelin messages.
 
-    python -m myelin.replicas.hub --parent PID --host 127.0.0.1 --clients N
+    python -m myelin.replicas.hub --parent PID --host 127.0.0.1 --clients N < settings.json
 
 It holds named flat fp32 tensors ("slots": one per pipeline stage for EASGD's center) in
 host memory and serves requests that arrive as myelin messages (control kind, msgpack
@@ -9,15 +9,19 @@ a ZeroMQ ROUTER socket, one at a time, first come first served:
 
     init     tensors [x]      the slot becomes x unless it exists; reply: ok
     read     -                reply: [slot]                         (a pull)
-    push     tensors [e]      slot += e, no reply                   (hogwild EASGD; a push)
+    push     tensors [e]      slot += e; reply: ok (a credit back)  (hogwild EASGD; a push)
     exchange tensors [x], alpha   reply: [old slot]; slot += alpha (x - old)  (async EASGD)
     bye      -                a client leaves; the hub exits when all have left
 
 A second thread publishes a heartbeat every `--beat-s` seconds on a PUB socket, so
 clients tell a dead hub from a busy one. The hub exits when its parent (the rank that
 started it) dies. It is a process, not a thread, so it never competes for a rank's GIL.
-Hogbatch (issue 14) reuses read and push on its own slots; the first line on stdout is
-JSON with both addresses.
+The first line on stdin is JSON with its settings: the ranks' `MessageLimits` (a frame
+over them drops the sender's connection, a message over them is refused) and, when the
+transport encrypts (TransportConfig.curve), the hub's CURVE key pair and the public keys
+of the clients it admits (over stdin: a secret never shows in a process list); the first
+line on stdout is JSON with both addresses. Every request is answered, so a client bounds
+its unanswered requests (hub_client.py's credits) and the hub's queue with them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 import zmq
 
 from myelin.errors import MessageError
+from myelin.runtime.curve import admit_keys
 from myelin.runtime.messages import Message, MessageLimits, decode, encode
 
 __all__ = ["Hub", "OPS", "main"]
@@ -68,7 +73,7 @@ class Hub:
         x = _one_tensor(msg, like=slot)
         if op == "push":
             slot.add_(x)
-            return None
+            return []
         alpha = msg.meta.get("alpha")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise MessageError("meta.alpha", f"{alpha!r} must be a number in [0, 1]")
@@ -92,16 +97,35 @@ def _beat(sock: zmq.Socket, every_s: float, stop: threading.Event) -> None:
         sock.send(b"beat")
 
 
-def serve(host: str, clients: int, parent: int, beat_s: float, limits: MessageLimits) -> int:
+def serve(
+    host: str,
+    clients: int,
+    parent: int,
+    beat_s: float,
+    limits: MessageLimits,
+    curve: dict[str, Any] | None = None,
+) -> int:
     """Bind, announce the addresses on stdout, serve until every client left or the
-    parent died; returns the exit status."""
+    parent died; returns the exit status. `curve`: {"secret", "public", "clients"} (z85
+    keys): both sockets are CURVE servers that admit only the clients' keys."""
     ctx = zmq.Context()
+    auth = None
+    if curve is not None:
+        auth = admit_keys(ctx, [k.encode() for k in curve["clients"]], "the hub")
     router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
     for sock in (router, pub):
         sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            sock.curve_secretkey = curve["secret"].encode()
+            sock.curve_publickey = curve["public"].encode()
+            sock.curve_server = True
+    router.setsockopt(zmq.MAXMSGSIZE, max(limits.max_tensor_bytes, limits.max_header_bytes))
     port = router.bind_to_random_port(f"tcp://{host}")
     beat_port = pub.bind_to_random_port(f"tcp://{host}")
-    print(json.dumps({"serve": f"tcp://{host}:{port}", "beat": f"tcp://{host}:{beat_port}"}))
+    addresses = {"serve": f"tcp://{host}:{port}", "beat": f"tcp://{host}:{beat_port}"}
+    if curve is not None:
+        addresses["public"] = curve["public"]  # the clients' curve_serverkey
+    print(json.dumps(addresses))
     sys.stdout.flush()
     stop = threading.Event()
     beats = threading.Thread(target=_beat, args=(pub, beat_s, stop), daemon=True)
@@ -121,6 +145,9 @@ def serve(host: str, clients: int, parent: int, beat_s: float, limits: MessageLi
             except MessageError as exc:
                 rejected += 1
                 print(f"myelin hub: rejected a message from {ident!r}: {exc}", file=sys.stderr)
+                meta = {"op": "refused", "field": exc.field, "problem": exc.problem[:300]}
+                out = Message("control", 0, 0, 0, 0, [], meta)
+                router.send_multipart([ident, *encode(out)], copy=False)
                 continue
             if msg.meta.get("op") == "bye":
                 left += 1
@@ -133,6 +160,8 @@ def serve(host: str, clients: int, parent: int, beat_s: float, limits: MessageLi
         beats.join(timeout=2)
         router.close()
         pub.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
@@ -144,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beat-s", type=float, default=0.25)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    return serve(args.host, args.clients, args.parent, args.beat_s, MessageLimits())
+    line = sys.stdin.readline()
+    settings = json.loads(line) if line.strip() else {}
+    limits = MessageLimits(**settings.get("limits", {}))
+    return serve(args.host, args.clients, args.parent, args.beat_s, limits, settings.get("curve"))
 
 
 def describe(hub: Hub) -> dict[str, Any]:

@@ -111,8 +111,14 @@ class Waits:
         """Start an all-reduce of `t` (async); a broken connection can fail the call itself,
         and then the peer behind it is named."""
         op = dist.ReduceOp.SUM if op is None else op
+        begin = lambda: dist.all_reduce(t, op=op, group=group, async_op=True)  # noqa: E731
+        return self.start(begin, what, strict)
+
+    def start(self, begin: Callable[[], Any], what: str | None = None, strict=False) -> Any:
+        """Start a collective (`begin()` returns its Work); a failure of the call itself
+        names the peer behind it."""
         try:
-            return dist.all_reduce(t, op=op, group=group, async_op=True)
+            return begin()
         except MyelinError:
             raise
         except Exception as exc:

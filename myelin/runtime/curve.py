@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-__all__ = ["Curve"]
+__all__ = ["Curve", "admit_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -85,4 +85,27 @@ class _RankKeys:
         if key in self._known:
             return True
         log.warning("rank %d: refused a connection with an unknown CURVE key", self._rank)
+        return False
+
+
+def admit_keys(ctx: zmq.Context, keys: list[bytes], who: str) -> ThreadAuthenticator:
+    """An authenticator on `ctx` that lets CURVE clients in only with one of `keys` (for a
+    process outside the world, such as the hub, told its clients' keys when started)."""
+    auth = ThreadAuthenticator(ctx, log=log)
+    auth.start()
+    auth.configure_curve_callback("*", _Known(set(keys), who))
+    return auth
+
+
+class _Known:
+    """CURVE's admission check against a fixed set of public keys."""
+
+    def __init__(self, keys: set[bytes], who: str) -> None:
+        self._keys = keys
+        self._who = who
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._keys:
+            return True
+        log.warning("%s: refused a connection with an unknown CURVE key", self._who)
         return False

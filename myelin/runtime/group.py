@@ -9,6 +9,7 @@ ZeroMQ address, so there is no second rendezvous.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -235,12 +236,22 @@ def _all_same_host(store: Any, rank: int, world_size: int, timeout_s: float) -> 
     return all(store.get(k).decode() == me for k in keys)
 
 
-def close_world(world: World) -> None:
-    """Destroy the data-parallel groups this trainer created; the default group stays."""
+def close_world(world: World, peer_lost: bool = False) -> None:
+    """Destroy the data-parallel groups this trainer created; the default group stays.
+
+    After a lost peer every group is abandoned instead: a collective that still waits on a
+    silent peer blocks a gloo worker thread, and destroying its group (here, at exit, or
+    when it is garbage-collected) joins that thread, so the rank would never exit. Each
+    group keeps one reference that is never dropped; the operating system reclaims it."""
     if not dist.is_initialized():
         return
-    for group in world.extra_groups:
-        dist.destroy_process_group(group)
+    if peer_lost:
+        for group in [*world.extra_groups, dist.group.WORLD]:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        atexit.unregister(_destroy_default_group)
+    else:
+        for group in world.extra_groups:
+            dist.destroy_process_group(group)
     world.extra_groups.clear()
 
 

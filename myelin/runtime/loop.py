@@ -365,13 +365,15 @@ class EventLoop:
 
     def _before_backward(self, mb: int, ready: Ready) -> None:
         """Gradients take memory from the step's first backward; the last one may stream
-        them to the host; and the microbatch's paged-out activations must be back."""
+        them to the host or start their all-reduce (not tied ones: summed after it)."""
         if self.budget is not None and ready.backwards_done == 0:
             self.budget.set("gradients", self._grad_bytes, f"the backward of microbatch {mb}")
-        last = ready.backwards_done == ready.microbatches - 1
+        last = ready.backwards_done == ready.microbatches - 1 and self.updater is not None
         reduced = self.tied or (self.replicas is not None and self.replicas.reduces_gradients)
-        if last and self.updater is not None and not reduced:
+        if last and not reduced:
             self.updater.arm()
+        elif last and not self.tied and self.replicas is not None:
+            self.replicas.last_backward(self.updater.grads.params, self.updater.grads.holders)
         store = self.stage.activations
         if store is not None and store.pages_out:
             store.fetch(mb)
@@ -429,8 +431,7 @@ class EventLoop:
             return loss
         start = self.timeline.now()
         if train:
-            trained = self.updater is not None
-            holders = self.updater.grads.holders if trained else []  # fp32 gradients in .grad
+            holders = self.updater.grads.holders if self.updater is not None else []  # fp32
             loss = self.replicas.backwards_done(holders, loss)
         else:
             loss = self.replicas.eval_loss(loss)

@@ -51,6 +51,23 @@ def test_a_rank_killed_in_the_all_reduce_is_named_by_all_three_others(tmp_path):
     _check_survivors(job, tmp_path, 4, "reducing gradients")
 
 
+@pytest.mark.parametrize("mode", ["daso", "easgd"])
+def test_a_rank_silent_in_a_daso_or_easgd_collective_is_named(tmp_path, mode):
+    """Two replicas of one stage: rank 0 waits in DASO's blocking average or sync EASGD's
+    exchange for rank 1, which went silent; nothing else ends that wait (gloo's wait is
+    in C++: the heartbeat thread could only end the process, with no error raised).
+    About 12 s each."""
+    job = launch(2, "peerloss.py", [mode], tmp_path, timeout=120)
+    assert job.returncode != 0, job.output[-3000:]
+    died = json.loads((tmp_path / "out" / "victim.json").read_text())["time"]
+    res = job.results.get(0)
+    assert res is not None, f"rank 0 wrote nothing:\n{job.output[-3000:]}"
+    assert res["error_type"] == "PeerLostError" and res["lost"] == 1, res
+    assert "rank 1 (stage 0, replica 1)" in res["error"], res
+    assert "nothing came from it for" in res["error"], res
+    assert res["time"] - died < LIMIT_S, res["time"] - died
+
+
 def test_a_silent_rank_is_lost_by_heartbeat_timeout(tmp_path):
     job = launch(2, "peerloss.py", ["silent"], tmp_path, timeout=90)
     _check_survivors(job, tmp_path, 2, "1F")

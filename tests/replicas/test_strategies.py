@@ -13,8 +13,9 @@ from tests._procs import launch
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    """One 4-rank job for DASO and sync EASGD (about 25 s on 2 cores)."""
-    job = launch(4, "replicas.py", ["daso", "easgd"], tmp_path_factory.mktemp("four"), timeout=240)
+    """One 4-rank job for DASO, sync EASGD and AllReduce's overlap (about 30 s on 2 cores)."""
+    cases = ["daso", "easgd", "overlap"]
+    job = launch(4, "replicas.py", cases, tmp_path_factory.mktemp("four"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     assert sorted(job.results) == [0, 1, 2, 3]
     return job.results
@@ -41,6 +42,10 @@ def test_sync_settings_are_checked_before_any_work():
             sync="easgd",
             precision="bf16",
         )
+    with pytest.raises(myelin.ConfigError, match=r"AllReduce\(bucket_mb=0\) must be > 0"):
+        myelin.AllReduce(bucket_mb=0)
+    with pytest.raises(myelin.ConfigError, match=r"AllReduce\(overlap='no'\)"):
+        myelin.AllReduce(overlap="no")
     assert isinstance(myelin.PipelineConfig(sync="daso").sync, myelin.DASO)
     assert isinstance(myelin.PipelineConfig().sync, myelin.AllReduce)
 
@@ -102,6 +107,30 @@ def test_easgd_reductions(four):
         assert e["momentum_diff"] < 1e-5  # MEASGD's mu == SGD momentum, elastic outside v
         assert e["exchanges"] == (7 - 1) // 3 + 1  # t = 0, 3, 6
         assert e["bytes"] == e["exchanges"] * e["numel"] * 4
+        # a sync round's all-reduce is not waited for at its step: it runs through the
+        # round, and the center takes it when needed (the next pull, reading the center)
+        assert e["flights"] == [True] * 7 and e["settled"]
+
+
+def test_the_profile_shows_each_strategys_communication(four):
+    """EASGD's exchanges and AllReduce's buckets: bytes = parameter bytes x exchanges."""
+    rows = four[0]["easgd"]["profile_rows"]  # every rank's, as rank 0's report has them
+    assert len(rows) == 4
+    for row in rows:
+        e = four[0]["easgd"]
+        assert row["strategy"] == "easgd"
+        exchange, loss = row["traffic"]["exchange"], row["traffic"]["loss"]
+        assert exchange["bytes"] == e["exchanges"] * e["numel"] * 4
+        assert exchange["count"] == e["exchanges"] and exchange["wait_s"] >= 0
+        assert loss["count"] == 7 and loss["bytes"] == 7 * 8  # one float64 per step
+    text = four[0]["easgd"]["profile_text"]
+    assert "replica communication" in text
+    assert len([x for x in text.splitlines() if " easgd " in x and " exchange " in x]) == 4
+    for r in four.values():
+        on = r["overlap"]["fp32:True"]
+        grads = on["traffic"]["gradients"]
+        assert grads["bytes"] == 3 * on["numel"] * 4  # 3 steps of fp32 gradients
+        assert grads["count"] == on["stats"]["buckets"] and on["traffic"]["loss"]["count"] == 3
 
 
 def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
@@ -113,9 +142,31 @@ def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
     assert four[0]["easgd"]["state_dict_is_center"]
 
 
+def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
+    for r in four.values():
+        o = r["overlap"]
+        for variant in ("fp32", "bf16", "offload"):
+            on, off = o[f"{variant}:True"], o[f"{variant}:False"]
+            assert on["digest"] == off["digest"] and on["losses"] == off["losses"]
+            buckets = on["stats"]["buckets"] // 3
+            assert buckets >= 4 and off["stats"]["buckets"] == 3 * buckets
+            assert off["stats"]["buckets_overlapped"] == 0
+            assert on["stats"]["global_bytes"] == 3 * on["numel"] * 4  # fp32 gradients
+            # the last step (2 microbatches): buckets last to first; those final before
+            # the first layer's gradient went out during the last backward, before it ended
+            for run, when in ((on, "backward"), (off, "after")):
+                launches = [e for e in run["events"] if e[0] != "first"]
+                assert launches == [[when, b] for b in reversed(range(buckets))]
+            firsts = [i for i, e in enumerate(on["events"]) if e[0] == "first"]
+            assert firsts[0] == 0 and len(firsts) == 2  # the first microbatch launches nothing
+            assert firsts[1] >= 3  # at least 2 buckets launched before the backward's end
+            assert on["stats"]["buckets_overlapped"] == on["stats"]["buckets"]
+            assert [e[0] for e in off["events"][:2]] == ["first", "first"]  # after: at the end
+
+
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    """One worker, no launcher: sync, async and hogwild EASGD (about 30 s: 2 hubs start)."""
+    """One worker: sync, async and hogwild EASGD, async under CURVE (about 35 s: 3 hubs)."""
     job = launch(1, "replicas.py", ["one"], tmp_path_factory.mktemp("one"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     return job.results[0]["one"]
@@ -124,6 +175,7 @@ def one(tmp_path_factory):
 def test_easgd_one_worker_async_and_hogwild_equal_sync(one):
     finals = one["finals"]
     assert finals["async"] == finals["sync"] and finals["hogwild"] == finals["sync"]
+    assert finals["async-curve"] == finals["sync"] and one["curve_client"]  # under CURVE too
     assert one["exchanges"] == 3  # at t = 0, 2, 4
     assert one["hub_requests"] == 1 + 3 + 3  # init, exchanges, 3 reads of the center
     assert one["evaluate_reads"] == 1

@@ -2,7 +2,8 @@
 
 Run by tests/replicas/test_strategies.py as `myelin run -n 4 replicas.py --out DIR CASE...`
 with CASE one of: daso (4 replicas as 2 nodes of 2), easgd (4 replicas, sync mode),
-async (one replica: async and hogwild EASGD against sync, through the hub).
+async (one replica: async and hogwild EASGD against sync, through the hub), overlap
+(AllReduce's buckets during the last backward against after it).
 """
 
 import argparse
@@ -15,8 +16,10 @@ import time
 
 import torch
 import torch.distributed as dist
+import zmq
 
 import myelin
+from myelin.profile.config import ProfileConfig
 from myelin.replicas.daso_schedule import Average
 
 OUT = ""
@@ -41,7 +44,9 @@ def digest(t):
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
-def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None):
+def trainer(
+    sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None, profile=None, transport=None
+):
     dp = dp or int(os.environ.get("WORLD_SIZE", "1")) // stages
     opt = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
     return myelin.Trainer(
@@ -54,6 +59,8 @@ def trainer(sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None):
         sync=sync,
         timeout=60,
         resume=resume,
+        profile=profile,
+        transport=transport,
     )
 
 
@@ -198,13 +205,22 @@ def case_easgd():
         max((xa - flat(b.module)).abs().max(), (ca - b.replicas.center).abs().max())
     )
     b.close()
-    # 4. exchanges: floor((T - 1) / tau) + 1; sync rounds all-reduce |W| floats
-    t = trainer(myelin.EASGD(tau=3, alpha=0.1))
+    # 4. exchanges: floor((T - 1) / tau) + 1; sync rounds all-reduce |W| floats; the
+    # profile shows each kind of the strategy's communication
+    profile = ProfileConfig(print_summary=False)
+    t = trainer(myelin.EASGD(tau=3, alpha=0.1), profile=profile)
+    flights = []  # the round's all-reduce runs on until the center is needed
     for step in range(7):
         t.step(*batch(t.replica, step))
+        flights.append(t.replicas.in_flight)
+    res["flights"] = flights
+    res["settled"] = t.replicas.center is not None and not t.replicas.in_flight
     res["exchanges"], res["bytes"] = t.replicas.exchanges, t.replicas.bytes_sent
     res["numel"] = flat(t.module).numel()
     t.close()
+    report = t.profile_report()
+    res["profile_rows"] = [r["detail"]["communication"] for r in report.summary()["ranks"]]
+    res["profile_text"] = report.format()
     # 5. bitwise reproducible, with random delays, and the center equal on every rank
     runs = []
     for _ in range(2):
@@ -225,16 +241,70 @@ def case_easgd():
     return res
 
 
+def deep(seed=0):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, 32), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(32, 1))
+
+
+def case_overlap():
+    """AllReduce with buckets launched during the last backward against the same buckets
+    launched after it: the same bits (fp32, bf16, optimizer offload), and launches before
+    backward ends."""
+    res = {}
+    offload = myelin.OffloadConfig(optimizer=True, bucket_bytes=4096)
+    for variant in ("fp32", "bf16", "offload"):
+        for overlap in (True, False):
+            t = myelin.Trainer(
+                deep(),
+                functools.partial(torch.optim.AdamW, lr=0.01),
+                torch.nn.functional.mse_loss,
+                data_parallel=int(os.environ["WORLD_SIZE"]),
+                microbatches=2,
+                precision="bf16" if variant == "bf16" else "fp32",
+                offload=offload if variant == "offload" else None,
+                sync=myelin.AllReduce(bucket_mb=0.004, overlap=overlap),  # ~4 KiB buckets
+                timeout=60,
+            )
+            events = t.replicas.trace = []
+            first = t.module[0].weight  # its gradient is final last in every backward
+            first.register_post_accumulate_grad_hook(
+                lambda _, events=events: events.append(["first", -1])
+            )
+            losses = []
+            for step in range(3):
+                events.clear()
+                losses.append(t.step(*batch(t.replica, step)))
+            res[f"{variant}:{overlap}"] = {
+                "digest": digest(flat(t.module).float()),
+                "losses": losses,
+                "events": [list(e) for e in events],
+                "stats": t.replicas.stats(),
+                "traffic": t.replicas.traffic(),
+                "numel": flat(t.module).numel(),
+            }
+            t.close()
+    return res
+
+
 def case_one():
     """One worker: async and hogwild EASGD through the hub equal sync EASGD bit for bit;
     evaluation and state_dict see the center; a checkpoint resumes exactly."""
     res = {}
     finals = {}
-    for mode in ("sync", "async", "hogwild"):
-        t = trainer(myelin.EASGD(tau=2, alpha=0.3, mode=mode), dp=1)
+    curve = myelin.TransportConfig(curve=True)
+    for mode in ("sync", "async", "hogwild", "async-curve"):
+        spec = myelin.EASGD(tau=2, alpha=0.3, mode=mode.split("-")[0])
+        t = trainer(spec, dp=1, transport=curve if mode.endswith("curve") else None)
         losses = [t.step(*batch(0, step)) for step in range(5)]
         center = t.replicas.current_center()
         finals[mode] = [digest(flat(t.module)), digest(center), losses]
+        if mode == "async-curve":  # the hub's sockets are CURVE clients of a CURVE server
+            res["curve_client"] = t.replicas.hub.req.getsockopt(zmq.MECHANISM) == zmq.CURVE
+            t.close()
+            continue
         res[f"{mode}_eval"] = t.eval_step(*batch(0, 99))
         with torch.no_grad():  # the model under evaluation is the center
             model = build()
