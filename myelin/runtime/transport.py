@@ -263,6 +263,7 @@ class Transport:
         now = time.monotonic()
         deadline = now + max(timeout_s, 0.0)
         self._settle(now)
+        self._watch_connections()
         self._drain()
         self._flush_all()  # queued messages whose slot wait has timed out go inline now
         while not self._arrived and now < deadline:
@@ -281,8 +282,8 @@ class Transport:
         wakes = [p.shm.wait_until for p in self._peers.values() if p.shm and p.shm.wait_until]
         return min([*wakes, self._ledger.next_wake()])
 
-    def _drain(self) -> None:
-        """Take what waits in the inbox: control messages act now, the rest wait for poll."""
+    def _watch_connections(self) -> None:
+        """Count and log connections to the inbox that closed (once per poll, not per drain)."""
         while self._monitor.get(_EVENTS) & _POLLIN:
             self._monitor.recv_multipart(flags=_NOBLOCK)  # an event: a connection closed
             self.stats.dropped_connections += 1
@@ -291,6 +292,9 @@ class Transport:
                 "MessageLimits.max_tensor_bytes and was cut off)",
                 self.rank,
             )
+
+    def _drain(self) -> None:
+        """Take what waits in the inbox: control messages act now, the rest wait for poll."""
         inbox = self._inbox
         for _ in range(_DRAIN_MAX):
             if not inbox.get(_EVENTS) & _POLLIN:
