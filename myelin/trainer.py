@@ -14,7 +14,6 @@ loaders are fit.py's, checkpoints checkpoint.py's.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint, compiled, hf, pretrained
+from myelin import checkpoint, collector, compiled, hf, pretrained
 from myelin import fit as fit_loop
 from myelin.config import (
     PipelineConfig,
@@ -137,7 +136,7 @@ class Trainer:
         sync: Any = "allreduce",
         stage_devices: Sequence[str | torch.device] | None = None,
         cpu_threads: int | Sequence[int | None] | None = None,
-        tied_grads: str = "step",
+        tied_grads: str = "microbatch",
     ) -> None:
         self.seed = torch.initial_seed()  # the layers' random streams derive from it
         self.config = cfg = PipelineConfig(
@@ -196,10 +195,7 @@ class Trainer:
             if lr_schedule is not None:
                 self.set_lr_schedule(lr_schedule)
             self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
-            # What lives now lives as long as the trainer: out of the collector's sight, as
-            # its full collections of torch's objects stalled steps by tens of ms (issue 11.4)
-            gc.collect()
-            gc.freeze()
+            self._froze = collector.freeze()  # what lives now lives as long as the trainer
         except BaseException:
             self.close()
             raise
@@ -489,7 +485,7 @@ class Trainer:
             close_world(self.world, self.liveness is not None and self.liveness.lost is not None)
             if getattr(self, "budget", None) is not None:
                 self.budget.close()
-            gc.unfreeze()
+            collector.unfreeze(getattr(self, "_froze", False))
             # Last: a launcher's SIGTERM while closing still raises the lost peer's name.
             self._failures.release_sigterm()
 

@@ -239,3 +239,20 @@ def test_a_trainer_keeps_what_it_built_out_of_the_garbage_collectors_scans():
         assert gc.get_freeze_count() > 0
         t.step(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
     assert gc.get_freeze_count() == 0
+
+
+def test_only_the_one_that_froze_unfreezes():
+    """A trainer whose build failed (it froze nothing) leaves a freeze it did not make."""
+    import gc
+
+    from myelin import collector
+
+    gc.freeze()
+    try:
+        collector.unfreeze(False)
+        assert gc.get_freeze_count() > 0
+        assert collector.freeze() is True
+        collector.unfreeze(True)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

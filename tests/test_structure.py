@@ -66,7 +66,13 @@ LAYERS = {
         "myelin.hf",
         "myelin.compiled",
     ],
-    "base": ["myelin.errors", "myelin.atomic", "myelin.layers", "myelin.losses"],
+    "base": [
+        "myelin.errors",
+        "myelin.atomic",
+        "myelin.layers",
+        "myelin.losses",
+        "myelin.collector",
+    ],
 }
 
 
