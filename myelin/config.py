@@ -48,10 +48,11 @@ class PipelineConfig:
     cpu_threads: torch's intra-op threads on each rank computing on the CPU: one int for
         every such stage, or one entry (int or None: torch's default) per stage.
     tied_grads: how the gradients of parameters that several stages hold (an embedding
-        tied to the LM head) are added: "step" sums each holder's gradient once per step
-        (one all-reduce; equal to one process up to rounding), "microbatch" sends each
-        later holder's gradient of every microbatch to the first holder, which adds it as
-        one process does (bit for bit; one tied gradient per microbatch on the wire).
+        tied to the LM head) are added: "microbatch" (default) sends each later holder's
+        gradient of every microbatch to the first holder, which adds it as one process
+        does (bit for bit; one tied gradient per microbatch on the wire), "step" sums each
+        holder's gradient once per step (one all-reduce; equal to one process up to
+        rounding), for large vocabularies across hosts.
     """
 
     stages: int = 1
@@ -65,7 +66,7 @@ class PipelineConfig:
     sync: Any = "allreduce"
     stage_devices: tuple[str, ...] | None = None
     cpu_threads: int | tuple[int | None, ...] | None = None
-    tied_grads: str = "step"
+    tied_grads: str = "microbatch"
 
     def __post_init__(self) -> None:
         for name in ("stages", "microbatches", "data_parallel"):

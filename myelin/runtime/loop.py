@@ -53,7 +53,7 @@ class LoopConfig:
     microbatches: int
     timeout_s: float
     poll_s: float = 0.05
-    tied_grads: str = "step"  # "microbatch": tied gradients added per microbatch (tied.py)
+    tied_grads: str = "microbatch"  # tied gradients added per microbatch (tied.py); "step"
 
     def __post_init__(self) -> None:
         if self.microbatches < 1:
@@ -95,7 +95,7 @@ class EventLoop:
         self.liveness = liveness  # heartbeats (runtime/liveness.py), when peers exist
         self.tied = tied or []  # parameters shared with other stages of this replica
         per_mb = self.tied and config.tied_grads == "microbatch"
-        self.ties = MicrobatchTies(stage.index, self.tied) if per_mb else None
+        self.ties = MicrobatchTies(stage.index, self.tied, updater) if per_mb else None
         self.timeline = timeline or Timeline(world.rank, stage.index, enabled=False)
         if replicas is None and world.dp_group is not None:
             replicas = AllReduceReplicas(world.dp_group, world.layout.data_parallel, world.waits)

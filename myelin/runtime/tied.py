@@ -38,8 +38,9 @@ class Tied(NamedTuple):
 class MicrobatchTies:
     """This stage's side of per-microbatch tied gradients (see the module's docstring)."""
 
-    def __init__(self, stage: int, tied: list[Tied]) -> None:
+    def __init__(self, stage: int, tied: list[Tied], updater: Any = None) -> None:
         self.stage = stage
+        self._updater = updater  # its gradients' holders: where a parameter's (fp32) .grad is
         self.sources: set[int] = set()  # later holders that send this stage their pieces
         self.expected: dict[int, dict[int, tuple[int, ...]]] = {}  # source -> key -> shape
         self._params: dict[int, nn.Parameter] = {}
@@ -50,6 +51,8 @@ class MicrobatchTies:
         for tie in tied:
             first = tie.holders[0]
             for key, p in zip(tie.keys, tie.params, strict=True):
+                if not p.requires_grad:  # frozen: no gradient to add, on any holder
+                    continue
                 self._params[key] = p
                 if stage == first:
                     for source in tie.holders[1:]:
@@ -93,12 +96,12 @@ class MicrobatchTies:
         self._active = False
         with torch.no_grad():
             for key in list(self._incoming):
-                total = self._sum(key)
-                p = self._params[key]
-                if p.grad is None:
-                    p.grad = total.to(p.dtype, copy=True)
+                holder = self._holder(self._params[key])
+                total = self._sum(key).to(holder.device, holder.dtype)
+                if holder.grad is None:
+                    holder.grad = total.clone()
                 else:
-                    p.grad.add_(total)
+                    holder.grad.add_(total)
         out: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         for dest in sorted(set(self._dest.values())):
             out[dest] = ([], [])
@@ -108,6 +111,10 @@ class MicrobatchTies:
             tensors.append(self._outgoing[key].detach().contiguous())
         self._outgoing = {}
         return [(dest, keys, tensors) for dest, (keys, tensors) in out.items()]
+
+    def _holder(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor whose `.grad` accumulates `p`'s gradient: an fp32 carrier under bf16."""
+        return self._updater.grads.holders_of([p])[0] if self._updater is not None else p
 
     def clear(self) -> None:
         """Forget a failed step's pieces."""

@@ -100,3 +100,39 @@ def test_a_backward_waits_for_the_later_holders_pieces_and_strangers_are_refused
     assert inbox.stats.rejected == 2
     keys, tensors = inbox.pieces[0][2]
     assert keys == [0] and torch.equal(tensors[0], torch.ones(V, D))
+
+
+def test_frozen_tied_parameters_take_no_hooks_and_expect_no_pieces():
+    """A frozen tied embedding has no gradient to add: building the ties must not fail
+    (register_hook raises on a tensor that does not require grad)."""
+    w = nn.Parameter(torch.randn(V, D), requires_grad=False)
+    first = MicrobatchTies(0, [Tied(None, [w], (0, 1), [0])])
+    last = MicrobatchTies(1, [Tied(None, [w], (0, 1), [0])])
+    assert first.sources == set() and first.expected == {}
+    last.before_backward({})
+    assert last.after_backward() == []  # nothing to send
+
+
+class _Grads:
+    """An updater's gradients under bf16: each parameter's fp32 gradient lives in a carrier."""
+
+    def __init__(self, params):
+        self.carriers = {id(p): torch.zeros(p.shape, requires_grad=True) for p in params}
+
+    def holders_of(self, params):
+        return [self.carriers[id(p)] for p in params]
+
+
+def test_pieces_no_hook_took_go_where_the_fp32_gradient_accumulates():
+    """The first holder's copy unused in a microbatch: the later holders' pieces are added
+    by hand, into the fp32 carrier an updater keeps under bf16, on the parameter's device."""
+    w = nn.Parameter(torch.randn(V, D, dtype=torch.bfloat16))
+    grads = _Grads([w])
+    updater = type("Updater", (), {"grads": grads})()
+    first = MicrobatchTies(0, [Tied(None, [w], (0, 1), [0])], updater)
+    piece = torch.randn(V, D)
+    for _ in range(2):
+        first.before_backward({1: ([0], [piece])})
+        assert first.after_backward() == []
+    carrier = grads.holders_of([w])[0]
+    assert torch.equal(carrier.grad, piece + piece) and w.grad is None
