@@ -141,13 +141,15 @@ class Transport:
             )
         peer = self._peers.get(dst) or self._peer(dst)
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
-        if nbytes >= self.config.shm_threshold_bytes:
+        drained = nbytes >= self.config.shm_threshold_bytes
+        if drained:
             self._drain()  # slots that came back are reused while still warm in cache
         if not peer.queue and self._try_send(peer, message, nbytes):
             return
-        self._drain()  # credits or slots that came back may let it leave now
-        if not peer.queue and self._try_send(peer, message, nbytes):
-            return
+        if not drained:
+            self._drain()  # credits that came back may let it leave now
+            if not peer.queue and self._try_send(peer, message, nbytes):
+                return
         encode(message)  # validate now, so a bad message fails in the caller, not later
         peer.queue.append((message, nbytes))
         self.stats.queued_for_credits += 1
