@@ -110,18 +110,21 @@ def load(module: nn.Module, names: dict[str, list[str]], path: str | os.PathLike
             # safetensors checks the file; the bytes are read straight into the stage's
             # tensors, not through its mapping of the file (whose pages would count in
             # this rank's resident memory while it is open) nor through a copy.
-            with safe_open(str(folder / file), framework="pt", device="cpu") as f:
-                shapes = {key: tuple(f.get_slice(key).get_shape()) for _, key in plan[file]}
-            with open(folder / file, "rb") as fh:
+            with (
+                safe_open(str(folder / file), framework="pt", device="cpu") as f,
+                open(folder / file, "rb") as fh,
+            ):
                 header, base = _header(fh)
                 for local, key in plan[file]:
-                    if shapes[key] != tuple(mine[local].shape):
+                    shape = tuple(header[key]["shape"])
+                    if shape != tuple(mine[local].shape):
                         problems.append(
-                            f"{key}: the folder has {shapes[key]}, the model "
-                            f"{tuple(mine[local].shape)}"
+                            f"{key}: the folder has {shape}, the model {tuple(mine[local].shape)}"
                         )
-                        continue
-                    _read_into(fh, base, header[key], mine[local], folder / file, key)
+                    elif header[key]["dtype"] in _DTYPES:
+                        _read_into(fh, base, header[key], mine[local], folder / file, key)
+                    else:  # a dtype the table lacks (float8, unsigned): safetensors reads it
+                        mine[local].copy_(f.get_tensor(key))
     if problems:
         raise CheckpointError(
             f"{folder} does not match this stage of the model:\n  "
@@ -234,9 +237,7 @@ def _read_into(
 ) -> None:
     """Read one tensor's bytes from the file into `target` (through a buffer of the file's
     dtype only when the dtypes differ)."""
-    dtype = _DTYPES.get(entry["dtype"])
-    if dtype is None:
-        raise CheckpointError(f"{path}: {key} has dtype {entry['dtype']}, which myelin cannot read")
+    dtype = _DTYPES[entry["dtype"]]
     start, end = entry["data_offsets"]
     direct = dtype == target.dtype and target.is_contiguous() and target.device.type == "cpu"
     buf = target if direct else torch.empty(target.shape, dtype=dtype)

@@ -83,3 +83,22 @@ def test_loading_reads_into_the_stage_without_mapping_or_copying_the_file(tmp_pa
     )
     grew = int(out.stdout.split()[-1])
     assert grew < 24 << 20, f"loading raised the peak by {grew / 2**20:.0f} MiB"
+
+
+def test_tensors_of_dtypes_outside_the_direct_table_are_read_by_safetensors(tmp_path):
+    """A float8 tensor: safetensors reads it, as before the direct reads (which cover the
+    common dtypes only); the others still go straight into the parameters."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from myelin import pretrained
+
+    stored = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    bias = torch.arange(4, dtype=torch.float32)
+    save_file({"w": stored, "b": bias}, str(tmp_path / "model.safetensors"))
+    module = torch.nn.Linear(8, 4)
+    assert pretrained.load(module, {"weight": ["w"], "bias": ["b"]}, tmp_path) == [
+        "model.safetensors"
+    ]
+    assert torch.equal(module.weight.detach(), stored.to(torch.float32))
+    assert torch.equal(module.bias.detach(), bias)
