@@ -143,6 +143,14 @@ class HubClient:
         self.check()
         while self.unanswered >= CREDITS:
             self._answer(f"a credit for {op}")  # an earlier push's answer
+        frame_max = max(self.limits.max_tensor_bytes, self.limits.max_header_bytes)
+        for t in tensors:  # a bigger frame: the hub drops the connection, answering nothing
+            if t.numel() * t.element_size() > frame_max:
+                raise MessageError(
+                    "tensors",
+                    f"{op} of {t.numel() * t.element_size()} bytes is over the hub's frame "
+                    f"limit of {frame_max} (MessageLimits.max_tensor_bytes)",
+                )
         number = self.requests
         msg = Message(
             "control", max(self.rank, 0), number, 0, self.key, tensors, {"op": op, **meta}

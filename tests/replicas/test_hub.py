@@ -103,6 +103,11 @@ def test_a_hub_under_curve_serves_its_ranks_and_refuses_anyone_else():
         with pytest.raises(MessageError, match="the hub refused"):
             rank.exchange(torch.zeros(512), 0.5)  # 2 KiB > max_tensor_bytes
         assert torch.equal(rank.read(), torch.arange(3.0))  # and the hub serves on
+        # over the hub's frame limit the connection would be cut unanswered: refused here
+        start = time.monotonic()
+        with pytest.raises(MessageError, match="frame limit"):
+            rank.exchange(torch.zeros(2**15), 0.5)  # 128 KiB > max(1 KiB, 64 KiB header)
+        assert time.monotonic() - start < 1
     finally:
         _stop(proc, rank, stranger, plain)
 
