@@ -141,9 +141,11 @@ class Waits:
             try:
                 work.wait(timeout=timedelta(seconds=slice_s))
             except RuntimeError as exc:
-                if "timed out" in str(exc).lower() and not work.is_completed():
+                if "timed out" not in str(exc).lower():
+                    raise
+                if not work.is_completed():
                     return False
-                raise
+                work.wait()  # it finished just after the slice ran out: its own result
             return True
 
         self.until(done, what, strict)
