@@ -40,6 +40,7 @@ def test_quickstart_trains_with_two_stages_and_two_replicas(tmp_path):
     assert len(losses) >= 3 and losses[-1] < losses[0], res.stdout
 
 
+@pytest.mark.slow  # 14 s; tests/hf checks GPT-2's tied pipeline bit for bit
 def test_hf_gpt2_example_learns_and_leaves_a_plain_tied_model(tmp_path):
     import pytest
 

@@ -128,6 +128,7 @@ def test_two_stages_fixed_and_real_compute_and_a_torch_trace(tmp_path, capsys):
         assert row["busy_frac"] + sum(row["idle"].values()) == pytest.approx(1, abs=0.01)
 
 
+@pytest.mark.slow  # 10 s; the two-stage cases and test_bubble.py cover the accounting
 def test_four_fixed_stages(tmp_path):
     pytest.importorskip("matplotlib")
     case = "fixed:4:8:gpipe"

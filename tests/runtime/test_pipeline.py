@@ -130,6 +130,7 @@ def test_offload_changes_nothing_on_two_stages(tmp_path):
         assert all(res[c]["losses"] == res[c]["ref_losses"] for c in exact), exact
 
 
+@pytest.mark.slow  # 16 s; two stages (the default suite) run the same paths
 def test_offload_changes_nothing_on_four_processes(tmp_path):
     four = _offload_cases("gpt:4:1:1f1b:ipc:fixed")
     replicas = ["gpt:2:2:1f1b:tcp:varied:eager:none", "gpt:2:2:1f1b:tcp:varied:eager:both"]
