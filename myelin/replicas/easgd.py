@@ -139,10 +139,10 @@ class EasgdReplicas(Strategy):
             if self.spec.mode == "sync":
                 self._settle()  # the last round's sum, into the center this pull needs
                 total = x.clone()
-                work = None
+                running = None
                 if self.group is not None:  # runs until the center is next needed
-                    work = self.comm.start(total, self.group, "exchange")
-                self._round = (total, work)
+                    running = self.comm.start(total, self.group, "exchange")
+                self._round = (total, running)
                 self._pull = self.alpha * (x - self._center)
             else:
                 self._pull = self._hub_exchange(x)
