@@ -46,6 +46,7 @@ from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy
 from myelin.replicas.collectives import Collectives
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
+from myelin.replicas.flat import flatten, holding, unflatten
 
 __all__ = ["DASO", "DasoReplicas", "merge_stale", "node_size_for"]
 
@@ -141,7 +142,7 @@ class DasoReplicas(Strategy):
         self.downcast = self._probe(_DOWNCAST[spec.downcast])
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step
-        self.synced = self._flat()  # the parameters of the last blocking average
+        self.synced = flatten(self.params)  # the parameters of the last blocking average
         self._viewing = False
 
     def plan(self, epoch_steps: int | None, epochs: int | None) -> None:
@@ -200,7 +201,7 @@ class DasoReplicas(Strategy):
             flat = torch.cat([_grad(p).reshape(-1) for p in params])
             self.comm.all_reduce(flat, self.local_group, "local")
             flat.div_(self.g)
-            _unflatten(flat, [p.grad for p in params])
+            unflatten(flat, [p.grad for p in params])
         self.comm.wait(work, "loss")
         self._loss = float(loss_t.item()) / self.replicas
         return self._loss
@@ -255,14 +256,9 @@ class DasoReplicas(Strategy):
         if ev.group == self.local_index and self.params:
             total, _ = self._finish(ev.id)
             avg = total / self.nodes
-            _unflatten(avg, [p.data for p in self.params])
+            unflatten(avg, self.params)
         self._broadcast(ev.group)
-        self.synced = self._flat()
-
-    def _flat(self) -> torch.Tensor:
-        if not self.params:
-            return torch.zeros(0)
-        return torch.cat([p.detach().reshape(-1).clone() for p in self.params])
+        self.synced = flatten(self.params)
 
     @contextlib.contextmanager
     def model_view(self) -> Iterator[None]:
@@ -271,12 +267,10 @@ class DasoReplicas(Strategy):
             yield
             return
         self._viewing = True
-        local = self._flat()
-        _unflatten(self.synced, [p.data for p in self.params])
         try:
-            yield
+            with holding(self.params, self.synced):
+                yield
         finally:
-            _unflatten(local, [p.data for p in self.params])
             self._viewing = False
 
     def _broadcast(self, local_src: int) -> None:
@@ -286,7 +280,7 @@ class DasoReplicas(Strategy):
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
         src = dist.get_global_rank(self.local_group, local_src)
         self.comm.broadcast(flat, src, self.local_group, "local")
-        _unflatten(flat, [p.data for p in self.params])
+        unflatten(flat, self.params)
 
     @property
     def bytes_local(self) -> int:
@@ -320,15 +314,15 @@ class DasoReplicas(Strategy):
             self.pending[send_id] = ([], [total], wait)
             pending[str(send_id)] = {"sum": total.cpu(), "wait": wait}
         state = {"schedule": self._sched().state_dict(), "pending": pending}
-        state["local"] = self._flat()  # the checkpoint's model entries are the synced ones
+        state["local"] = flatten(self.params)  # the checkpoint's model entries are the synced ones
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "schedule" not in state:
             return
         self._sched().load_state_dict(state["schedule"])
-        self.synced = self._flat()  # loaded as the model: the synchronised parameters
-        _unflatten(state["local"], [p.data for p in self.params])
+        self.synced = flatten(self.params)  # loaded as the model: the synchronised parameters
+        unflatten(state["local"], self.params)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = {
             int(k): ([], [v["sum"].to(device)], int(v["wait"])) for k, v in state["pending"].items()
@@ -388,12 +382,3 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
-
-
-def _unflatten(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in targets:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
-            offset += n

@@ -35,6 +35,7 @@ import torch
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
 from myelin.replicas.collectives import Collectives
+from myelin.replicas.flat import flatten, holding, unflatten
 
 __all__ = ["EASGD", "EasgdReplicas", "MODES"]
 
@@ -100,7 +101,7 @@ class EasgdReplicas(Strategy):
         self.t = 0  # this replica's clock: steps done
         self.exchanges = 0
         self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "easgd")
-        self._center = self._flat().clone()  # every replica starts from the same weights
+        self._center = flatten(self.params)  # every replica starts from the same weights
         self._round: tuple[torch.Tensor, Any] | None = None  # (sum, work): not yet applied
         self.velocity = torch.zeros_like(self._center) if spec.momentum else None
         self.hub = None
@@ -110,19 +111,6 @@ class EasgdReplicas(Strategy):
 
             self.hub = connect_hub(world, ctx, self._center)
 
-    def _flat(self) -> torch.Tensor:
-        if not self.params:
-            return torch.zeros(0)
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
-
-    def _set(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
-
     # -- the hooks -------------------------------------------------------------
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
@@ -131,10 +119,10 @@ class EasgdReplicas(Strategy):
         work = None
         if self.group is not None:
             work = self.comm.start(loss_t, self.group, "loss")
-        self._before = self._flat() if self.velocity is not None else None
+        self._before = flatten(self.params) if self.velocity is not None else None
         self._pull = None  # e = alpha (x_i - x~) on an exchange step
         if self.t % self.spec.tau == 0 and self.params:
-            x = self._flat()
+            x = flatten(self.params)
             self.exchanges += 1
             if self.spec.mode == "sync":
                 self._settle()  # the last round's sum, into the center this pull needs
@@ -174,12 +162,13 @@ class EasgdReplicas(Strategy):
         if not self.params:
             return
         if self.velocity is not None:
-            x = self._flat()
+            x = flatten(self.params)
             self.velocity.mul_(self.spec.momentum).add_(x - self._before)
-            self._set(self._before + self.velocity)
+            unflatten(self._before + self.velocity, self.params)
         if self._pull is None:
             return
-        self._set(self._flat().sub_(self._pull))  # e = alpha (x_i - x~), taken before the step
+        # e = alpha (x_i - x~), taken before the step
+        unflatten(flatten(self.params).sub_(self._pull), self.params)
 
     def _settle(self) -> None:
         """Wait for the last sync round's sum and move the center by it:
@@ -233,17 +222,16 @@ class EasgdReplicas(Strategy):
             yield
             return
         self._viewing = True
-        local = self._flat()
-        self._set(self.current_center())
         try:
-            yield
+            with holding(self.params, self.current_center()):
+                yield
         finally:
-            self._set(local)
             self._viewing = False
 
     def state_dict(self) -> dict[str, Any]:
         """x_i, the clock and the velocity; the checkpoint's model entries hold x~."""
-        state: dict[str, Any] = {"local": self._flat(), "t": self.t, "exchanges": self.exchanges}
+        local = flatten(self.params)
+        state: dict[str, Any] = {"local": local, "t": self.t, "exchanges": self.exchanges}
         if self.velocity is not None:
             state["velocity"] = self.velocity.clone()
         return state
@@ -254,8 +242,8 @@ class EasgdReplicas(Strategy):
             return
         if self.hub is None:
             self._round = None
-            self._center = self._flat().clone()
-        self._set(state["local"])
+            self._center = flatten(self.params)
+        unflatten(state["local"], self.params)
         self.t, self.exchanges = int(state["t"]), int(state["exchanges"])
         if self.velocity is not None and "velocity" in state:
             self.velocity.copy_(state["velocity"])
