@@ -152,15 +152,16 @@ class Hogbatch:
         wall_s)` is called in the runner as each epoch completes (progress, tests, a time
         budget); if it returns True the run stops there (steps in flight still land). Workers
         are spawned: a script calling this needs `if __name__ == "__main__":`."""
-        from myelin.replicas.hogbatch_run import run  # the runner imports these settings
+        from myelin.replicas.hogbatch_run import Run  # the runner imports these settings
 
         lr, wd = check_optimizer(optimizer)
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:
             raise ConfigError("Hogbatch.fit(data=...): must be (inputs, targets) of equal length")
-        return run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
-                   eval_data=eval_data, resume=resume, on_epoch=on_epoch)  # fmt: skip
+        live = Run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
+                   eval_data=eval_data, resume=resume)  # fmt: skip
+        return live.train(on_epoch)
 
 
 def _number(v: Any) -> bool:

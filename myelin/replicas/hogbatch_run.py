@@ -35,7 +35,7 @@ from myelin.replicas.hogbatch_worker import pack, unpack
 if TYPE_CHECKING:
     from myelin.replicas.hogbatch import Hogbatch
 
-__all__ = ["AHEAD", "Run", "params_of", "run"]
+__all__ = ["AHEAD", "Run", "params_of"]
 
 # Ranges a worker holds at once: the one it trains and the next, already in its pipe, so
 # it never waits a round trip through the runner between updates (in real mode, tiny CPU
@@ -45,25 +45,6 @@ AHEAD = 2
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
-
-
-def run(
-    cfg: Hogbatch,
-    model: torch.nn.Module,
-    loss_fn: Any,
-    data: tuple[torch.Tensor, torch.Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    epochs: int,
-    eval_data: tuple[torch.Tensor, torch.Tensor] | None,
-    resume: dict[str, Any] | None,
-    on_epoch: Any = None,
-) -> dict[str, Any]:
-    """Train with Hogbatch's workers (see the module docstring); the report."""
-    live = Run(cfg, model, loss_fn, data, lr=lr, weight_decay=weight_decay, epochs=epochs,
-               eval_data=eval_data, resume=resume)  # fmt: skip
-    return live.train(lambda epoch, wall_s: on_epoch(epoch, wall_s) if on_epoch else None)
 
 
 class Run:
