@@ -13,27 +13,21 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+def _run_example(tmp_path, *args, ranks=2, timeout=240, **env):
+    """Run an example as its first line says: `myelin run -n ranks script ...`, or the
+    script alone with ranks=None; a bare environment, plus `env`."""
+    launch = ["-m", "myelin.cli", "run", "-n", str(ranks)] if ranks is not None else []
+    cmd = [sys.executable, *launch, *map(str, args)]
+    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env
+    )
+
+
 def test_quickstart_trains_with_two_stages_and_two_replicas(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "myelin.cli",
-        "run",
-        "-n",
-        "4",
-        str(EXAMPLES / "quickstart.py"),
-        "--data-parallel",
-        "2",
-        "--steps",
-        "10",
-    ]
-    res = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env={"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    script = EXAMPLES / "quickstart.py"
+    res = _run_example(
+        tmp_path, script, "--data-parallel", "2", "--steps", "10", ranks=4, timeout=180
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
@@ -42,46 +36,13 @@ def test_quickstart_trains_with_two_stages_and_two_replicas(tmp_path):
 
 @pytest.mark.slow  # 14 s; tests/hf checks GPT-2's tied pipeline bit for bit
 def test_hf_gpt2_example_learns_and_leaves_a_plain_tied_model(tmp_path):
-    import pytest
-
     pytest.importorskip("transformers")
-    cmd = [
-        sys.executable,
-        "-m",
-        "myelin.cli",
-        "run",
-        "-n",
-        "2",
-        str(EXAMPLES / "hf_gpt2.py"),
-        "--steps",
-        "50",
-        "--meta",
-    ]
-    res = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        env={
-            "TMPDIR": str(tmp_path),
-            "PATH": "/usr/bin:/bin",
-            "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1",
-        },
-    )
+    script = EXAMPLES / "hf_gpt2.py"
+    res = _run_example(tmp_path, script, "--steps", "50", "--meta", HF_HUB_OFFLINE="1")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     vals = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", res.stdout)]
     assert len(vals) == 2 and vals[-1] < vals[0], res.stdout
     assert "embedding and head tied: True" in res.stdout
-
-
-def _run_example(tmp_path, *args, timeout=240):
-    cmd = [sys.executable, "-m", "myelin.cli", "run", "-n", "2", *map(str, args)]
-    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env
-    )
 
 
 def test_large_model_example_needs_offload_and_trains_with_it(tmp_path):
@@ -103,11 +64,8 @@ def test_large_model_example_on_one_process_needs_offload_and_trains_with_it(tmp
     """The whole model on one device, each backward right after its forward: only paging
     within the microbatch, layer by layer, brings it under the limit."""
     script = EXAMPLES / "large_model_offload.py"
-    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    run = functools.partial(
-        subprocess.run, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
-    )
-    res = run([sys.executable, str(script), "--one-process", "--steps", "6"])
+    run = functools.partial(_run_example, tmp_path, script, "--one-process", ranks=None)
+    res = run("--steps", "6")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
     assert len(losses) == 2 and losses[-1] < losses[0], res.stdout
@@ -115,7 +73,7 @@ def test_large_model_example_on_one_process_needs_offload_and_trains_with_it(tmp
     assert peak <= 40, res.stdout
     assert "misses 0" in res.stdout, res.stdout  # every page back before backward needed it
 
-    res = run([sys.executable, str(script), "--one-process", "--steps", "2", "--no-offload"])
+    res = run("--steps", "2", "--no-offload")
     assert res.returncode != 0
     assert "DeviceMemoryError" in res.stderr and "device_memory_limit=40 MiB" in res.stderr
     assert "OffloadConfig(activations=True)" in res.stderr
@@ -137,16 +95,9 @@ def test_hf_llama_example_learns_saves_and_starts_again_from_its_folder(tmp_path
 
 
 def test_xc_lsh_example_learns_with_the_lsh_layer(tmp_path):
-    cmd = [sys.executable, str(EXAMPLES / "xc_lsh.py"), "--stages", "1", "--epochs", "2"]
-    cmd += ["--rows", "2000", "--labels", "1000", "--features", "500"]
-    res = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        env={"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
+    script = EXAMPLES / "xc_lsh.py"
+    sizes = ["--rows", "2000", "--labels", "1000", "--features", "500"]
+    res = _run_example(tmp_path, script, "--stages", "1", "--epochs", "2", *sizes, ranks=None)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     p1 = [float(x) for x in re.findall(r"P@1 (\d\.\d+)", res.stdout)]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
