@@ -42,12 +42,12 @@ from torch import nn
 from myelin.errors import ConfigError
 from myelin.nn.config import INFERENCE, LSHConfig
 from myelin.nn.hashing import Hasher
-from myelin.nn.tables import LSHTables, active_set
+from myelin.nn.tables import LSHTables, SeededModule, active_set
 
 __all__ = ["LSHSoftmax", "soft_target_loss", "sparse_rows"]
 
 
-class LSHSoftmax(nn.Module):
+class LSHSoftmax(SeededModule):
     """Linear layer to `num_classes` logits trained on an LSH-chosen active set."""
 
     def __init__(
@@ -80,9 +80,7 @@ class LSHSoftmax(nn.Module):
             config.family, in_features, config.bits, config.tables, config.bin_size, config.seed
         )
         self.tables = LSHTables(self.hasher, num_classes, config.bucket_cap, config.seed)
-        self._gen = torch.Generator().manual_seed(config.seed + 2)
-        # saved with the weights: the floor's and probes' generator, training steps so far
-        self.register_buffer("rng_state", self._gen.get_state())
+        self._seed(config.seed + 2)  # the floor's and probes' generator, saved with the weights
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         self.active = torch.zeros(0, dtype=torch.long)
         # what happened in this process (not saved): rehashes, probes, last probe, set size
@@ -181,16 +179,6 @@ class LSHSoftmax(nn.Module):
         """(B, k) the top-k classes of each row (a row with fewer LSH candidates than k
         gets arbitrary ids for the rest, with -inf logits)."""
         return torch.topk(self.logits(h, inference), k, dim=1).indices
-
-    # -- checkpoints -----------------------------------------------------------------
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        self.rng_state.copy_(self._gen.get_state())
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self._gen.set_state(self.rng_state.cpu())
 
 
 def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -25,19 +25,35 @@ from myelin.nn.hashing import Hasher
 __all__ = ["LSHTables", "active_set", "ranges"]
 
 
-class LSHTables(nn.Module):
+class SeededModule(nn.Module):
+    """A module drawing from its own torch.Generator, whose state a checkpoint carries in
+    the `rng_state` buffer, so a resumed run draws what an uninterrupted one would."""
+
+    def _seed(self, seed: int) -> None:
+        self._gen = torch.Generator().manual_seed(seed)
+        self.register_buffer("rng_state", self._gen.get_state())
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self.rng_state.copy_(self._gen.get_state())
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._gen.set_state(self.rng_state.cpu())
+
+
+class LSHTables(SeededModule):
     """L hash tables over `num_rows` rows; buffers, so saved and moved with the layer."""
 
     def __init__(self, hasher: Hasher, num_rows: int, bucket_cap: int, seed: int = 0) -> None:
         super().__init__()
         self.hasher, self.num_rows, self.bucket_cap = hasher, num_rows, bucket_cap
-        self._gen = torch.Generator().manual_seed(seed + 1)
         n = num_rows * hasher.tables
         self.register_buffer("codes", torch.zeros(num_rows, hasher.tables, dtype=torch.long))
         self.register_buffer("keys", torch.zeros(n, dtype=torch.long))
         self.register_buffer("ids", torch.zeros(n, dtype=torch.int32))
         self.register_buffer("builds", torch.zeros((), dtype=torch.long))
-        self.register_buffer("rng_state", self._gen.get_state())  # bucket order's generator
+        self._seed(seed + 1)  # the bucket order's generator
 
     def _table_base(self) -> torch.Tensor:
         """(L,) the key offset of each table: table l's keys are l * 2**code_bits + code."""
@@ -76,14 +92,6 @@ class LSHTables(nn.Module):
         how far the weights moved, in the hash's own terms (Mongoose's rebuild signal)."""
         now = self.hasher(weight.detach()[probe])
         return float((now != self.codes[probe]).float().mean())
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        self.rng_state.copy_(self._gen.get_state())
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self._gen.set_state(self.rng_state.cpu())
 
 
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
