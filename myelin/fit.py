@@ -151,7 +151,8 @@ def fit(
         per_epoch = _epoch_steps(loader, 1)
         plan(per_epoch, epochs or 1 if per_epoch is not None else None)
     waits = trainer.world.waits
-    meter = Meter(trainer.timeline, trainer.world.layout.data_parallel, waits)
+    local = bool(getattr(getattr(trainer, "replicas", None), "local_loss", False))
+    meter = Meter(trainer.timeline, trainer.world.layout.data_parallel, waits, local_loss=local)
     history: list[dict[str, Any]] = []
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)

@@ -4,7 +4,9 @@
     meter.add(loss, tokens, seconds)          # after each trainer.step
     row = meter.row(step, lr, val_loss)       # every rank at once: a collective
 
-A row covers the steps since the last one: `loss` (the last step's), `loss_avg`, `lr`,
+A row covers the steps since the last one: `loss` (the last step's), `loss_avg`, both
+the mean over replicas (under DASO and EASGD, whose `step()` returns each replica's own
+loss, the row's all-reduce averages them; under AllReduce they are equal already), `lr`,
 `tokens_per_s` (training tokens of every replica per second spent in `trainer.step`),
 `idle_frac` (the share of wall time that the devices of all ranks together were not
 computing forward, backward or the optimizer: bubbles, offload waits, collectives,
@@ -29,10 +31,14 @@ __all__ = ["Meter", "all_reduce"]
 class Meter:
     """Loss, throughput and idle share since the last row."""
 
-    def __init__(self, timeline: Timeline, replicas: int, waits: Any = None) -> None:
+    def __init__(
+        self, timeline: Timeline, replicas: int, waits: Any = None, local_loss: bool = False
+    ) -> None:
         self.timeline = timeline
         self.waits = waits  # bounded waits for the all-reduce of each row (runtime/bounded.py)
         self.replicas = replicas  # every replica trains on as many tokens as this one
+        # the steps' losses are each replica's own (DASO, EASGD): the row averages them
+        self.local_loss = local_loss
         self._reset()
 
     def _reset(self) -> None:
@@ -63,12 +69,13 @@ class Meter:
         """The row for `step`, and a fresh window; every rank must call it (idle_frac is
         summed over ranks)."""
         n = len(self.losses)
-        busy, wall = all_reduce(list(self._busy_and_wall()), waits=self.waits)
-        row: dict[str, Any] = {
-            "step": step,
-            "loss": self.losses[-1] if n else math.nan,
-            "loss_avg": sum(self.losses) / max(1, n),
-        }
+        last, avg = self.losses[-1] if n else math.nan, sum(self.losses) / max(1, n)
+        values = [*self._busy_and_wall(), *((last, avg) if self.local_loss else ())]
+        busy, wall, *losses = all_reduce(values, waits=self.waits)
+        if losses:  # the ranks of a replica hold its loss: the sum over ranks / ranks
+            ranks = dist.get_world_size() if dist.is_initialized() else 1
+            last, avg = losses[0] / ranks, losses[1] / ranks
+        row: dict[str, Any] = {"step": step, "loss": last, "loss_avg": avg}
         if lr is not None:
             row["lr"] = lr
         row["tokens_per_s"] = self.tokens * self.replicas / max(self.step_seconds, 1e-9)

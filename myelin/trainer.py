@@ -348,7 +348,9 @@ class Trainer:
     # -- training --------------------------------------------------------------
 
     def step(self, inputs: Any = None, targets: Any = None) -> float:
-        """Train one step on a batch; returns its mean loss, the same on every rank.
+        """Train one step on a batch; returns its mean loss, the same on every rank under
+        AllReduce; under DASO and EASGD this replica's own (its stages agree; fit's rows
+        average it over the replicas), as their replicas hold different models.
 
         `inputs` (a tensor or a tuple of tensors) and `targets` are split along dim 0
         into `microbatches`; or pass lists of per-microbatch inputs and targets, whose

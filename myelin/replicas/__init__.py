@@ -5,11 +5,12 @@ A strategy is chosen with `Trainer(..., sync=...)`: a settings object (`AllReduc
 the `Strategy` that runs on this rank (`spec.build(context)`). The event loop calls the
 running strategy at fixed points of each training step: before the step's last backward
 (`last_backward`: gradients may start to travel as they become final), when the step's
-backwards are done (`backwards_done`, which returns the step's loss as the replicas agree
-on it), after the optimizer step, and at the step's end. A strategy owns its state (a center, a
-schedule, pending sends), which checkpoints carry (`state_dict`), and says what the model
-*is* (`model_view`: the center for EASGD), which evaluation, `state_dict()` and
-checkpoints use.
+backwards are done (`backwards_done`, which returns the step's loss: the mean over the
+replicas under AllReduce, this replica's own under DASO and EASGD, whose replicas hold
+different models between exchanges), after the optimizer step, and at the step's end. A
+strategy owns its state (a center, a schedule, pending sends), which checkpoints carry
+(`state_dict`), and says what the model *is* (`model_view`: the center for EASGD), which
+evaluation, `state_dict()` and checkpoints use.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Strategy:
     """The hooks a running replica strategy implements; each default does nothing."""
 
     reduces_gradients = False  # gradients change after the backwards (they cannot stream early)
+    # True: `backwards_done` returns this replica's own loss, no collective per step (the
+    # replicas hold different models); fit's rows average it over the replicas
+    local_loss = False
 
     def last_backward(self, params: Sequence[Any], holders: Sequence[Any]) -> None:
         """The step's last backward on this stage is about to run: a gradient is final once
@@ -50,7 +54,8 @@ class Strategy:
         gradient). Not called where gradients change after the backwards (tied stages)."""
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
-        """Every backward of the step has run on this stage: agree on gradients and loss.
+        """Every backward of the step has run on this stage: agree on gradients, and return
+        the step's loss: the mean over replicas, or this replica's own where `local_loss`.
 
         `params` hold this stage's fp32 gradients in `.grad`: the trainable parameters in
         fp32, their fp32 sums' carriers under half precision (offload/gradients.py)."""

@@ -23,7 +23,8 @@ Deliberate differences from Heat, each because myelin must run where Heat cannot
   `require_backward_grad_sync`; buffers (batch-norm statistics) are not synchronised.
 - An epoch is `epoch_steps` steps (fit(epochs=...) sets it from the loader), and the
   plateau rule runs itself at the epoch's end with the mean loss over every replica,
-  instead of the user calling `epoch_loss_logic`.
+  instead of the user calling `epoch_loss_logic`. As there (one all-reduce of the loss
+  per epoch), no step averages its loss: `step()` returns this replica's own.
 - The blocking downcast (bf16 by default) is probed on the backend once; where it fails it
   falls back to fp32 and says so. The sum is taken in that dtype as in Heat, but over
   torch's collective rather than a custom MPI op.
@@ -126,6 +127,7 @@ class DasoReplicas(Strategy):
     """DASO on this rank: node-local gradient averages, stale global parameter averages."""
 
     reduces_gradients = True
+    local_loss = True  # nodes hold different parameters between syncs: the loss is its own
 
     def __init__(self, spec: DASO, ctx: Context) -> None:
         world, layout = ctx.world, ctx.world.layout
@@ -169,6 +171,7 @@ class DasoReplicas(Strategy):
                 skip_reduction_factor=s.skip_reduction_factor,
                 local_skip_factor=s.local_skip_factor,
                 stability_level=float(s.stability_level),
+                agree=lambda loss: self.comm.loss(loss, self.dp_group, self.replicas),
             )
         return self.schedule
 
@@ -193,18 +196,15 @@ class DasoReplicas(Strategy):
     # -- the hooks -------------------------------------------------------------
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
-        """Average the gradients inside the node (when the schedule says so) and the loss
-        over every replica (the plateau rule must see the same loss everywhere)."""
-        loss_t = torch.tensor([loss], dtype=torch.float64)
-        work = self.comm.start(loss_t, self.dp_group, "loss")
+        """Average the gradients inside the node (when the schedule says so); the loss is
+        this replica's own (the plateau rule averages the epoch's over every replica)."""
         if self._sched().local_sync and self.local_group is not None and params:
             flat = torch.cat([_grad(p).reshape(-1) for p in params])
             self.comm.all_reduce(flat, self.local_group, "local")
             flat.div_(self.g)
             unflatten(flat, [p.grad for p in params])
-        self.comm.wait(work, "loss")
-        self._loss = float(loss_t.item()) / self.replicas
-        return self._loss
+        self._loss = loss
+        return loss
 
     def eval_loss(self, loss: float) -> float:
         return self.comm.loss(loss, self.dp_group, self.replicas)

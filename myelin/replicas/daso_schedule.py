@@ -14,7 +14,9 @@ step's optimizer step and returns the events the step ends with, in order:
                                       average and broadcasts it inside each node
 
 `local_sync` says whether the next step averages gradients inside the node. At an
-epoch's last step `advance()` also runs the plateau rule with the epoch's mean loss.
+epoch's last step `advance()` also runs the plateau rule with the epoch's mean loss,
+which `agree` (given by the caller: an all-reduce, once per epoch) makes every
+replica's mean of the losses `advance()` was given on this rank.
 
 Deliberate differences from Heat: with `warmup_epochs=0` cycling starts at epoch 0 (in
 Heat it never starts: it tests `epoch == warmup_epochs` only after epoch 0 ended); each
@@ -24,6 +26,7 @@ node would merge the send it just started).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -84,8 +87,10 @@ class DasoSchedule:
         skip_reduction_factor: int,
         local_skip_factor: int,
         stability_level: float,
+        agree: Callable[[float], float] | None = None,
     ) -> None:
         self.node_size = node_size
+        self.agree = agree or (lambda loss: loss)  # a rank's epoch mean -> every replica's
         self.last_batch = epoch_steps - 1
         self.total_epochs = total_epochs
         self.warmup_epochs, self.cooldown_epochs = warmup_epochs, cooldown_epochs
@@ -168,7 +173,7 @@ class DasoSchedule:
             if self.batch == self.last_batch:
                 self.send_mod, self.batch = 0, 0
                 self.epoch += 1
-                self._epoch_end(self.epoch_loss / max(self.epoch_count, 1))
+                self._epoch_end(self.agree(self.epoch_loss / max(self.epoch_count, 1)))
                 self.epoch_loss, self.epoch_count = 0.0, 0
                 return events
         else:

@@ -19,7 +19,11 @@ toward a center x~ with the moving rate alpha (= eta * rho):
 Every exchange conserves x_i + x~. `momentum` (MEASGD) is heavy-ball momentum on the
 local update, v <- mu v + (step(x) - x), x <- x + v, with the elastic term kept out of v.
 What the model is: the center x~ (as the papers evaluate it); evaluation, state_dict()
-and checkpoints use it (`model_view`). Gradients are never averaged; the loss is.
+and checkpoints use it (`model_view`). Gradients are never averaged, and neither is the
+training loss at each step: between exchanges the replicas hold different models, so
+`step()` returns this replica's own loss and no step waits for the others outside its
+exchange; fit's metrics rows (a collective already) report the mean over replicas, and
+evaluation the mean of the center's loss over the replicas' batches.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ def _number(value: Any, low: float, high: float) -> bool:
 class EasgdReplicas(Strategy):
     """One replica of EASGD: local steps, an elastic exchange every tau steps."""
 
+    local_loss = True  # the replicas hold different models: each step's loss is its own
+
     def __init__(self, spec: EASGD, ctx: Context) -> None:
         world = ctx.world
         self.spec, self.params = spec, ctx.params
@@ -114,11 +120,8 @@ class EasgdReplicas(Strategy):
     # -- the hooks -------------------------------------------------------------
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
-        """Average the loss; on an exchange step, take x_i - x~ before the optimizer step."""
-        loss_t = torch.tensor([loss], dtype=torch.float64)
-        work = None
-        if self.group is not None:
-            work = self.comm.start(loss_t, self.group, "loss")
+        """On an exchange step, take x_i - x~ before the optimizer step; the loss is this
+        replica's own (no collective: the replicas' mean is formed at fit's rows)."""
         self._before = flatten(self.params) if self.velocity is not None else None
         self._pull = None  # e = alpha (x_i - x~) on an exchange step
         if self.t % self.spec.tau == 0 and self.params:
@@ -134,9 +137,6 @@ class EasgdReplicas(Strategy):
                 self._pull = self.alpha * (x - self._center)
             else:
                 self._pull = self._hub_exchange(x)
-        if work is not None:
-            self.comm.wait(work, "loss")
-            return float(loss_t.item()) / self.replicas
         return loss
 
     def _hub_exchange(self, x: torch.Tensor) -> torch.Tensor:

@@ -79,16 +79,19 @@ def case_daso():
     t = trainer(spec)
     ref = build()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    own, mine = [], []
     for step in range(6):
-        t.step(*batch(t.replica, step))
+        own.append(t.step(*batch(t.replica, step)))
         opt.zero_grad()
-        loss = sum(
+        losses = [
             torch.nn.functional.mse_loss(ref(batch(r, step)[0]), batch(r, step)[1])
             for r in range(4)
-        )
-        (loss / 4).backward()
+        ]
+        (sum(losses) / 4).backward()
+        mine.append(float(losses[t.replica]))
         opt.step()
     res["warmup_max_diff"] = float((flat(t.module) - flat(ref)).abs().max())
+    res["own_loss"], res["reference_loss"] = own, mine  # this replica's loss, not the mean
     t.close()
     # 2. cycling from epoch 0: identical at each epoch end; the events of the run
     spec = myelin.DASO(
@@ -118,6 +121,7 @@ def case_daso():
                 torch.equal(flat(t.module), flat(t.module).bfloat16().float())
             )
     res.update(identical=identical, differ_mid=differ_mid, kinds=kinds)
+    res["loss_traffic"] = t.replicas.traffic().get("loss")  # once per epoch, not per step
     res["bytes_local"], res["bytes_global"] = t.replicas.bytes_local, t.replicas.bytes_global
     res["downcast"] = str(t.replicas.downcast)
     t.close()
@@ -182,14 +186,17 @@ def case_easgd():
     t = trainer(myelin.EASGD(tau=1, alpha=0.0))
     ref = build()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    own, mine = [], []
     for step in range(4):
-        t.step(*batch(t.replica, step))
+        own.append(t.step(*batch(t.replica, step)))
         opt.zero_grad()
-        torch.nn.functional.mse_loss(
-            ref(batch(t.replica, step)[0]), batch(t.replica, step)[1]
-        ).backward()
+        x, y = batch(t.replica, step)
+        loss = torch.nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        mine.append(float(loss))
         opt.step()
     res["alpha0_equal"] = torch.equal(flat(t.module), flat(ref))
+    res["own_loss"], res["reference_loss"] = own, mine  # step() returns this replica's loss
     res["alpha0_center_still"] = torch.equal(t.replicas.center, flat(build()))
     t.close()
     # 3. momentum on the local update == torch SGD's momentum, the elastic term outside it
@@ -212,11 +219,23 @@ def case_easgd():
     flights, waited = [], []  # the round's all-reduce runs on until the center is needed
     wait = t.replicas.comm.wait
     t.replicas.comm.wait = lambda work, kind: (waited.append(work), wait(work, kind))[1]
-    for step in range(7):
-        t.step(*batch(t.replica, step))
-        running = t.replicas._round[1] if t.replicas.in_flight else None
-        flights.append(t.replicas.in_flight and not any(w is running for w in waited))
-    res["flights"] = flights
+    collectives, original = [], {}  # every collective any step makes
+
+    def counted(name, fn):
+        return lambda *a, **k: (collectives.append(name), fn(*a, **k))[1]
+
+    for name in ("all_reduce", "broadcast", "all_gather", "barrier"):
+        original[name] = getattr(dist, name)
+        setattr(dist, name, counted(name, original[name]))
+    try:
+        for step in range(7):
+            t.step(*batch(t.replica, step))
+            running = t.replicas._round[1] if t.replicas.in_flight else None
+            flights.append(t.replicas.in_flight and not any(w is running for w in waited))
+    finally:
+        for name, fn in original.items():
+            setattr(dist, name, fn)
+    res["flights"], res["step_collectives"] = flights, collectives
     res["settled"] = t.replicas.center is not None and not t.replicas.in_flight
     res["exchanges"], res["bytes"] = t.replicas.exchanges, t.replicas.bytes_sent
     res["numel"] = flat(t.module).numel()
@@ -241,6 +260,22 @@ def case_easgd():
             )
         t.close()
     res["runs"] = runs
+    # 6. fit's rows: the mean over replicas of the losses each step returned on its replica
+    t = trainer(myelin.EASGD(tau=2, alpha=0.1))
+    seen = []
+
+    class Keep(myelin.Callback):
+        def on_step_end(self, trainer, step, loss):
+            seen.append(loss)
+
+    rows = t.fit([batch(t.replica, s) for s in range(4)], log_every=2, callbacks=[Keep()],
+                 progress=False)  # fmt: skip
+    losses = torch.stack(gather(torch.tensor(seen, dtype=torch.float64)))  # (replicas, steps)
+    res["fit_rows"] = [[row["loss"], row["loss_avg"]] for row in rows]
+    mean = losses.mean(0).tolist()
+    res["fit_means"] = [[mean[1], (mean[0] + mean[1]) / 2], [mean[3], (mean[2] + mean[3]) / 2]]
+    res["fit_own_differ"] = len(set(losses[:, 3].tolist())) == p
+    t.close()
     return res
 
 
@@ -370,6 +405,7 @@ def case_hub():
         dist.all_reduce(x)
         after = float((x + t.replicas.current_center()).double().sum())
         res[mode] = [before, after, t.replicas.exchanges]
+        res[f"{mode}_traffic"] = sorted(t.replicas.traffic())  # the hub's exchanges only
         if mode == "async":
             t.close()
     dist.barrier()  # the hogwild trainer's hub is killed now
