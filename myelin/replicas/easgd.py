@@ -16,8 +16,11 @@ toward a center x~ with the moving rate alpha (= eta * rho):
     hogwild   read x~, then push e = alpha (x_i - x~), which the hub adds without a lock
               against other workers' reads (Zhang's Alg. 1 as the author's code runs it)
 
-Every exchange conserves x_i + x~. `momentum` (MEASGD) is heavy-ball momentum on the
-local update, v <- mu v + (step(x) - x), x <- x + v, with the elastic term kept out of v.
+Every exchange conserves x_i + x~. `momentum` (MEASGD, You et al.) is heavy-ball
+momentum on the local SGD update, v <- mu v + (step(x) - x) = mu v - lr g, x <- x + v,
+with the elastic term kept out of v; it needs plain torch.optim.SGD as the optimizer
+(anything else is a ConfigError naming the field: an adaptive optimizer's update, or
+SGD's own momentum, would take a second momentum).
 What the model is: the center x~ (as the papers evaluate it); evaluation, state_dict()
 and checkpoints use it (`model_view`). Gradients are never averaged, and neither is the
 training loss at each step: between exchanges the replicas hold different models, so
@@ -41,7 +44,7 @@ from myelin.replicas import Context, Strategy
 from myelin.replicas.collectives import Collectives
 from myelin.replicas.flat import flatten, holding, unflatten
 
-__all__ = ["EASGD", "EasgdReplicas", "MODES"]
+__all__ = ["EASGD", "EasgdReplicas", "MODES", "check_local_sgd"]
 
 MODES = ("sync", "async", "hogwild")
 
@@ -50,7 +53,8 @@ MODES = ("sync", "async", "hogwild")
 class EASGD:
     """EASGD's settings. tau: steps between exchanges; alpha: moving rate (default
     0.9 / replicas, i.e. beta = 0.9); mode: "sync", "async" or "hogwild"; momentum: MEASGD's
-    mu on the local update (0: plain EASGD). In async and hogwild modes a hub silent for
+    mu on the local SGD update (0: plain EASGD; > 0 needs torch.optim.SGD without its own
+    momentum). In async and hogwild modes a hub silent for
     TransportConfig.peer_timeout_s is a PeerLostError on every rank."""
 
     tau: int = 1
@@ -88,6 +92,29 @@ class EASGD:
         return EasgdReplicas(self, ctx)
 
 
+def check_local_sgd(spec: EASGD, optimizer: Any) -> None:
+    """MEASGD's momentum is the local SGD update's, v <- mu v - lr g (You et al.; Zhang's
+    EAMSGD): a ConfigError unless the optimizer is plain SGD, naming the field. On an
+    adaptive optimizer (Adam's moments) or SGD's own momentum it would be a second
+    momentum on an update that has one: a larger, lagging step, not MEASGD."""
+    name = type(optimizer).__name__
+    got = None
+    if not isinstance(optimizer, torch.optim.SGD):
+        got = f"{name}, an adaptive optimizer whose update has its own moments"
+    else:
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0) or group.get("nesterov", False):
+                got = f"SGD(momentum={group['momentum']!r}, nesterov={group['nesterov']!r})"
+                break
+    if got is not None:
+        raise ConfigError(
+            f"EASGD(momentum={spec.momentum!r}) is MEASGD's momentum on the local SGD update "
+            f"(v <- mu v - lr g, the elastic term kept out of v) and needs "
+            f"torch.optim.SGD without momentum of its own; got {got}. Pass "
+            f"torch.optim.SGD(lr=...) as the optimizer, or EASGD(momentum=0.0) to keep {name}"
+        )
+
+
 def _number(value: Any, low: float, high: float) -> bool:
     ok = not isinstance(value, bool) and isinstance(value, (int, float))
     return ok and low <= value <= high
@@ -99,6 +126,8 @@ class EasgdReplicas(Strategy):
     local_loss = True  # the replicas hold different models: each step's loss is its own
 
     def __init__(self, spec: EASGD, ctx: Context) -> None:
+        if spec.momentum and ctx.optimizer is not None:
+            check_local_sgd(spec, ctx.optimizer)  # before any work: the reason, not a wrong run
         world = ctx.world
         self.spec, self.params = spec, ctx.params
         self.replicas = world.layout.data_parallel

@@ -1,7 +1,9 @@
 """The replica strategies in real multi-process runs (4 ranks on loopback), and their
 settings checked before any process starts (daso_easgd.md section 5)."""
 
+import functools
 import math
+import re
 
 import pytest
 import torch
@@ -48,6 +50,37 @@ def test_sync_settings_are_checked_before_any_work():
         myelin.AllReduce(overlap="no")
     assert isinstance(myelin.PipelineConfig(sync="daso").sync, myelin.DASO)
     assert isinstance(myelin.PipelineConfig().sync, myelin.AllReduce)
+
+
+@pytest.mark.parametrize(
+    "optimizer,got",
+    [
+        (functools.partial(torch.optim.AdamW, lr=3e-3), "got AdamW, an adaptive optimizer"),
+        (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), r"got SGD\(momentum=0.9"),
+    ],
+)
+def test_measgd_momentum_needs_the_local_sgd_update(optimizer, got):
+    """MEASGD's momentum is on the local SGD update: on AdamW (the bench's old MEASGD,
+    which never reached the target) or SGD's own momentum it would be a second one."""
+    with pytest.raises(myelin.ConfigError, match=r"EASGD\(momentum=0.5\) is MEASGD's") as err:
+        myelin.Trainer(
+            torch.nn.Linear(2, 2),
+            optimizer,
+            torch.nn.functional.mse_loss,
+            sync=myelin.EASGD(momentum=0.5),
+        )
+    assert re.search(got, str(err.value)) and "torch.optim.SGD(lr=...)" in str(err.value)
+    plain = myelin.Trainer(  # plain SGD is MEASGD's update; momentum 0 keeps any optimizer
+        torch.nn.Linear(2, 2),
+        functools.partial(torch.optim.SGD, lr=0.1),
+        torch.nn.functional.mse_loss,
+        sync=myelin.EASGD(momentum=0.5),
+    )
+    plain.close()
+    adam = myelin.Trainer(
+        torch.nn.Linear(2, 2), optimizer, torch.nn.functional.mse_loss, sync="easgd"
+    )
+    adam.close()
 
 
 @pytest.mark.parametrize("wait,nodes", [(0, 2), (1, 2), (3, 4), (2, 1)])
