@@ -6,18 +6,21 @@
     python3 bench/replicas.py --quick          # fewer steps and peers' rounds
 
 Four ranks (data_parallel=4, node_size=2) train myelin.models.GPT (byte level, 2 layers x
-64, sequence 64, batch 8 per rank, AdamW 3e-3) on the Python standard library's source;
+64, sequence 64, batch 8 per rank, AdamW 2e-3) on the Python standard library's source;
 every peer takes the same batches (replica r reads stream ("train", r)). Peers run in
 turn, each in processes of its own, the order reversed every other round:
 
 - allreduce: myelin.AllReduce (gradients averaged every step); ddp: torch DDP over gloo,
   the anchor a user would pick; daso: myelin.DASO(epoch_steps=20, warmup 1, cooldown 1);
 - easgd-sync / easgd-async / easgd-hogwild: myelin.EASGD(tau=4, alpha=0.9/4); measgd:
-  async with momentum=0.5 on the local update.
+  async with momentum=0.9 (You et al.'s mu) on the local update, which is plain SGD as in
+  the paper (lr 0.1), not AdamW: momentum on AdamW's update is not MEASGD (and myelin
+  refuses it); its anchor allreduce-sgd: AllReduce with SGD(lr 0.1, momentum 0.9).
 
 Every `--eval-every` steps the validation loss (8 fixed batches; the center for EASGD) is
 taken with its time. Reported per peer: the time to the target (`--target`, else 1.02 x
-the validation loss AllReduce ends at), the loss reached at the shortest run's wall time,
+the validation loss its anchor ends at: allreduce-sgd for measgd, allreduce for the
+rest), the loss reached at the shortest run's wall time,
 bytes each rank put into communication across nodes (its strategy's global bytes; for
 allreduce and ddp the gradient bytes of a ring all-reduce across the 4 ranks), the share
 of step time spent in the strategy's hooks (communication and its waits), and step time.
@@ -43,7 +46,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import RESULTS, machine_info, print_table  # noqa: E402
 
-PEERS = ("allreduce", "ddp", "daso", "easgd-sync", "easgd-async", "easgd-hogwild", "measgd")
+PEERS = (
+    "allreduce",
+    "ddp",
+    "daso",
+    "easgd-sync",
+    "easgd-async",
+    "easgd-hogwild",
+    "allreduce-sgd",
+    "measgd",
+)
+# the learning rates: the best of a single-process sweep at the bench's 200 steps and 4 x 8
+# rows (AllReduce's update), 3 seeds (README): AdamW {3e-4 .. 1e-2}, heavy-ball SGD
+# (momentum 0.9) {0.03 .. 1.0}
+ADAMW_LR = 2e-3
+SGD_LR, MOMENTUM = 0.1, 0.9  # MEASGD's mu: You et al.'s
+TAU = 4  # every EASGD mode's (MEASGD's too)
+ANCHOR = {"measgd": "allreduce-sgd", "allreduce-sgd": "allreduce-sgd"}  # else "allreduce"
 ADDRS = ("10.77.0.1", "10.77.0.2")
 
 
@@ -56,7 +75,7 @@ def model():
 def strategy(peer: str, steps: int) -> Any:
     import myelin
 
-    if peer == "allreduce":
+    if peer in ("allreduce", "allreduce-sgd"):
         return myelin.AllReduce()
     if peer == "daso":
         epochs = max(3, steps // 20)
@@ -68,7 +87,18 @@ def strategy(peer: str, steps: int) -> Any:
             cooldown_epochs=1,
         )
     mode = "sync" if peer == "easgd-sync" else "hogwild" if peer == "easgd-hogwild" else "async"
-    return myelin.EASGD(tau=4, alpha=0.9 / 4, mode=mode, momentum=0.5 if peer == "measgd" else 0.0)
+    momentum = MOMENTUM if peer == "measgd" else 0.0
+    return myelin.EASGD(tau=TAU, alpha=0.9 / 4, mode=mode, momentum=momentum)
+
+
+def optimizer(peer: str) -> Any:
+    """AdamW, but for MEASGD, whose momentum is on the local SGD update (You et al.): plain
+    SGD, the momentum being EASGD's own; and its anchor, AllReduce with SGD's momentum."""
+    if peer == "measgd":
+        return functools.partial(torch.optim.SGD, lr=SGD_LR)
+    if peer == "allreduce-sgd":
+        return functools.partial(torch.optim.SGD, lr=SGD_LR, momentum=MOMENTUM)
+    return functools.partial(torch.optim.AdamW, lr=ADAMW_LR)
 
 
 class Clock:
@@ -111,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
         torch.manual_seed(0)
         net = torch.nn.parallel.DistributedDataParallel(model())
-        opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+        opt = optimizer(args.peer)(net.parameters())
 
         def train_step(x, y):
             opt.zero_grad()
@@ -125,13 +155,13 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_reduce(t)
             return float(t) / dist.get_world_size()
 
-        comm = None
+        comm = traffic = None
         stats = lambda: {"global_bytes": sum(p.numel() * 4 for p in net.parameters()) * steps}  # noqa: E731
     else:
         torch.manual_seed(0)
         t = myelin.Trainer(
             model(),
-            functools.partial(torch.optim.AdamW, lr=3e-3),
+            optimizer(args.peer),
             lm_loss,
             data_parallel=4,
             sync=strategy(args.peer, steps),
@@ -144,6 +174,7 @@ def worker(args: argparse.Namespace) -> None:
         train_step = t.step
         evaluate = lambda: t.evaluate(val)  # noqa: E731
         stats = t.loop.replicas.stats
+        traffic = t.loop.replicas.traffic
     start = time.monotonic()
     for step in range(steps):
         t0 = time.perf_counter()
@@ -160,6 +191,7 @@ def worker(args: argparse.Namespace) -> None:
         "step_s": step_s,
         "comm_s": comm.seconds if comm is not None else None,
         "stats": stats(),
+        "traffic": traffic() if traffic is not None else None,  # waits and bytes by kind
         "load": os.getloadavg()[0],
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
@@ -274,17 +306,31 @@ def link_bytes(spaces: tuple) -> int:
     return total
 
 
-def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[list, float]:
-    """Per peer: time to target, loss at the shortest wall time, bytes, comm share, step."""
-    finals = [r[0]["curve"][-1][2] for r in records["allreduce"]]
-    target = target or 1.02 * min(finals)
+def targets(records: dict[str, list[dict]], target: float | None) -> dict[str, float]:
+    """Each anchor's target: `target`, else 1.02 x the validation loss it ends at (best run)."""
+    out = {}
+    for anchor in ("allreduce", "allreduce-sgd"):
+        if anchor in records or target is not None:
+            out[anchor] = target or 1.02 * min(r[0]["curve"][-1][2] for r in records[anchor])
+    return out
+
+
+def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[list, dict]:
+    """Per peer: time to its anchor's target, loss at the shortest wall time, bytes, comm
+    share, step. MEASGD's anchor is AllReduce with the same local optimizer (SGD's
+    momentum); every other peer's is AllReduce with AdamW."""
+    goals = targets(records, target)
     horizon = min(r[0]["curve"][-1][0] for runs in records.values() for r in runs)
     rows = []
     for peer, runs in records.items():
+        anchor = ANCHOR.get(peer, "allreduce")
+        goal = goals.get(anchor, target)
+        if goal is None:
+            raise SystemExit(f"{peer}: run {anchor} too, or pass --target")
         reach, at_h, share, step, sent = [], [], [], [], []
         for run in runs:
             curve = run[0]["curve"]
-            hit = [t for t, _, v in curve if v <= target]
+            hit = [t for t, _, v in curve if v <= goal]
             reach.append(hit[0] if hit else float("inf"))
             at_h.append(min((v for t, _, v in curve if t <= horizon), default=curve[0][2]))
             steps = [sum(run[r]["step_s"]) for r in run]
@@ -297,6 +343,8 @@ def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[lis
         rows.append(
             {
                 "peer": peer,
+                "anchor": anchor,
+                "target": goal,
                 "to_target_s": min(reach),
                 "loss_at_horizon": min(at_h),
                 "final_val": min(run[0]["curve"][-1][2] for run in runs),
@@ -305,7 +353,7 @@ def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[lis
                 "bytes": min(sent),
             }
         )
-    return rows, target
+    return rows, goals
 
 
 def main() -> None:
@@ -320,6 +368,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--save", default="", help="results file (default bench/results/...)")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
@@ -346,7 +395,7 @@ def main() -> None:
         if spaces:
             for ns in spaces[0]:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    rows, target = summarise(records, args.target)
+    rows, goals = summarise(records, args.target)
     print_table(
         ["peer", "to target s", "loss @ horizon", "final val", "comm share", "step ms", "bytes"],
         [
@@ -362,16 +411,17 @@ def main() -> None:
             for r in rows
         ],
         title=f"4 ranks as 2 nodes of 2, {'link ' + args.netns if spaces else 'one host'}; "
-        f"target val loss {target:.3f}",
+        + "; ".join(f"target ({a}) {v:.3f}" for a, v in goals.items()),
     )
     name = "replicas_netns.json" if spaces else "replicas.json"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(
+    path = Path(args.save) if args.save else RESULTS / name
+    path.write_text(
         json.dumps(
             {
                 "machine": machine_info(),
                 "args": vars(args),
-                "target": target,
+                "targets": goals,
                 "rows": rows,
                 "runs": {
                     p: [
@@ -387,7 +437,7 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"wrote {RESULTS / name}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
