@@ -1,30 +1,36 @@
 """Replica strategies on a GPT over real text: AllReduce, torch DDP, DASO, the EASGD family.
 
-    python3 bench/replicas.py                  # one host, 4 ranks as 2 nodes of 2 (~10 min)
+    python3 bench/replicas.py                  # one host, 4 ranks as 2 nodes of 2 (~15 min)
     python3 bench/replicas.py --netns 100mbit  # each node in its own network namespace,
                                                # the veth between them limited by tc tbf (root)
-    python3 bench/replicas.py --quick          # fewer steps and peers' rounds
+    python3 bench/replicas.py --quick          # 10 s per peer, one round
 
 Four ranks (data_parallel=4, node_size=2) train myelin.models.GPT (byte level, 2 layers x
 64, sequence 64, batch 8 per rank, AdamW 2e-3) on the Python standard library's source;
-every peer takes the same batches (replica r reads stream ("train", r)). Peers run in
-turn, each in processes of its own, the order reversed every other round:
+every peer takes the same batches (replica r reads stream ("train", r)), for the same
+training time (`--seconds`, 30; at most `--steps`), so a peer whose steps are faster takes
+more of them. Peers run in turn, each in processes of its own, the order reversed every
+other round:
 
 - allreduce: myelin.AllReduce (gradients averaged every step); ddp: torch DDP over gloo,
-  the anchor a user would pick; daso: myelin.DASO(epoch_steps=20, warmup 1, cooldown 1);
+  the anchor a user would pick; daso: myelin.DASO(epoch_steps=20, warmup 1 epoch; its
+  cool-down, the last of steps / 20 epochs, is past the time budget);
 - easgd-sync / easgd-async / easgd-hogwild: myelin.EASGD(tau=4, alpha=0.9/4); measgd:
   async with momentum=0.9 (You et al.'s mu) on the local update, which is plain SGD as in
   the paper (lr 0.1), not AdamW: momentum on AdamW's update is not MEASGD (and myelin
-  refuses it); its anchor allreduce-sgd: AllReduce with SGD(lr 0.1, momentum 0.9).
+  refuses it); its anchor allreduce-sgd: AllReduce with SGD(lr 0.1, momentum 0.9). The
+  learning rates are the best of bench/replicas_lr.py's sweep.
 
-Every `--eval-every` steps the validation loss (8 fixed batches; the center for EASGD) is
-taken with its time. Reported per peer: the time to the target (`--target`, else 1.02 x
-the validation loss its anchor ends at: allreduce-sgd for measgd, allreduce for the
-rest), the loss reached at the shortest run's wall time,
-bytes each rank put into communication across nodes (its strategy's global bytes; for
-allreduce and ddp the gradient bytes of a ring all-reduce across the 4 ranks), the share
-of step time spent in the strategy's hooks (communication and its waits), and step time.
-Results: bench/results/replicas.json.
+Every `--eval-every` steps, once every rank has got there (a barrier, on the training
+clock: replicas that do not wait for each other every step would otherwise wait for the
+slowest inside the validation, off the clock), the validation loss (8 fixed batches; the
+center for EASGD) is taken with its time, and the ranks agree whether the time is up.
+Reported per peer: the time to the target (`--target`, else 1.02 x the validation loss
+its anchor ends at: allreduce-sgd for measgd, allreduce for the rest), the loss reached at
+the shortest run's wall time, bytes each rank put into communication across nodes (its
+strategy's global bytes; for allreduce and ddp the gradient bytes of a ring all-reduce
+across the 4 ranks), the share of step time spent in the strategy's hooks (communication
+and its waits), and step time. Results: bench/results/replicas.json.
 """
 
 from __future__ import annotations
@@ -156,7 +162,8 @@ def worker(args: argparse.Namespace) -> None:
             return float(t) / dist.get_world_size()
 
         comm = traffic = None
-        stats = lambda: {"global_bytes": sum(p.numel() * 4 for p in net.parameters()) * steps}  # noqa: E731
+        numel = sum(p.numel() for p in net.parameters())
+        stats = lambda: {"global_bytes": numel * 4 * len(step_s)}  # noqa: E731
     else:
         torch.manual_seed(0)
         t = myelin.Trainer(
@@ -181,10 +188,18 @@ def worker(args: argparse.Namespace) -> None:
         train_step(*train.get(step))
         step_s.append(time.perf_counter() - t0)
         if (step + 1) % args.eval_every == 0 or step + 1 == steps:
+            # training time until every rank has done these steps: where replicas do not
+            # wait for each other every step (DASO, EASGD), the first to get here would
+            # otherwise wait for the last inside evaluate(), outside the training clock
+            dist.barrier()
             pause = time.monotonic()
             loss = evaluate()
             curve.append([pause - start, step + 1, loss])
+            used = torch.tensor([pause - start])  # every rank stops at the same step
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)
             start += time.monotonic() - pause  # validation time is not training time
+            if float(used) >= args.seconds:
+                break
     record = {
         "peer": args.peer,
         "curve": curve,
@@ -222,6 +237,8 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path, spaces: tuple | Non
         str(args.steps),
         "--eval-every",
         str(args.eval_every),
+        "--seconds",
+        str(args.seconds),
     ]
     port, procs = str(_free_port()), []
     for rank in range(4):
@@ -361,7 +378,8 @@ def main() -> None:
     parser.add_argument("--role", default="driver")
     parser.add_argument("--peer", default="allreduce")
     parser.add_argument("--out", default="")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=2000, help="at most this many steps")
+    parser.add_argument("--seconds", type=float, default=30.0, help="training time per peer")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--netns", default="", help="rate of the slow link, e.g. 100mbit (root)")
@@ -373,7 +391,7 @@ def main() -> None:
     if args.role == "worker":
         return worker(args)
     if args.quick:
-        args.steps, args.rounds = 100, 1
+        args.seconds, args.rounds = 10.0, 1
     peers = args.peers.split(",")
     spaces = make_namespaces(args.netns) if args.netns else None
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"myelin-bench-replicas-{uuid.uuid4().hex[:6]}"
