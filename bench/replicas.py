@@ -15,8 +15,8 @@ other round:
 - allreduce: myelin.AllReduce (gradients averaged every step); ddp: torch DDP over gloo,
   the anchor a user would pick; daso: myelin.DASO(epoch_steps=20, warmup 1 epoch; its
   cool-down, the last of steps / 20 epochs, is past the time budget);
-- easgd-sync / easgd-async / easgd-hogwild: myelin.EASGD(tau=4, alpha=0.9/4); measgd:
-  async with momentum=0.9 (You et al.'s mu) on the local update, which is plain SGD as in
+- easgd-sync / easgd-async / easgd-hogwild: myelin.EASGD(tau=4, or --tau for every EASGD
+  mode, alpha=0.9/4); measgd: async with momentum=0.9 (You et al.'s mu) on the local update, which is plain SGD as in
   the paper (lr 0.1), not AdamW: momentum on AdamW's update is not MEASGD (and myelin
   refuses it); its anchor allreduce-sgd: AllReduce with SGD(lr 0.1, momentum 0.9). The
   learning rates are the best of bench/replicas_lr.py's sweep.
@@ -67,7 +67,7 @@ PEERS = (
 # (momentum 0.9) {0.03 .. 1.0}
 ADAMW_LR = 2e-3
 SGD_LR, MOMENTUM = 0.1, 0.9  # MEASGD's mu: You et al.'s
-TAU = 4  # every EASGD mode's (MEASGD's too)
+TAU = 4  # every EASGD mode's (MEASGD's too); --tau sets another
 ANCHOR = {"measgd": "allreduce-sgd", "allreduce-sgd": "allreduce-sgd"}  # else "allreduce"
 ADDRS = ("10.77.0.1", "10.77.0.2")
 
@@ -78,7 +78,7 @@ def model():
     return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, d_model=64))
 
 
-def strategy(peer: str, steps: int) -> Any:
+def strategy(peer: str, steps: int, tau: int = TAU) -> Any:
     import myelin
 
     if peer in ("allreduce", "allreduce-sgd"):
@@ -94,7 +94,7 @@ def strategy(peer: str, steps: int) -> Any:
         )
     mode = "sync" if peer == "easgd-sync" else "hogwild" if peer == "easgd-hogwild" else "async"
     momentum = MOMENTUM if peer == "measgd" else 0.0
-    return myelin.EASGD(tau=TAU, alpha=0.9 / 4, mode=mode, momentum=momentum)
+    return myelin.EASGD(tau=tau, alpha=0.9 / 4, mode=mode, momentum=momentum)
 
 
 def optimizer(peer: str) -> Any:
@@ -171,7 +171,7 @@ def worker(args: argparse.Namespace) -> None:
             optimizer(args.peer),
             lm_loss,
             data_parallel=4,
-            sync=strategy(args.peer, steps),
+            sync=strategy(args.peer, steps, args.tau),
             timeout=300,
             transport=myelin.TransportConfig(kind="tcp", host=host)
             if host != "127.0.0.1"
@@ -239,6 +239,8 @@ def run_peer(peer: str, args: argparse.Namespace, out: Path, spaces: tuple | Non
         str(args.eval_every),
         "--seconds",
         str(args.seconds),
+        "--tau",
+        str(args.tau),
     ]
     port, procs = str(_free_port()), []
     for rank in range(4):
@@ -380,6 +382,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--steps", type=int, default=2000, help="at most this many steps")
     parser.add_argument("--seconds", type=float, default=30.0, help="training time per peer")
+    parser.add_argument("--tau", type=int, default=TAU, help="every EASGD mode's period")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--netns", default="", help="rate of the slow link, e.g. 100mbit (root)")
