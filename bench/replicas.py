@@ -16,10 +16,11 @@ other round:
   the anchor a user would pick; daso: myelin.DASO(epoch_steps=20, warmup 1 epoch; its
   cool-down, the last of steps / 20 epochs, is past the time budget);
 - easgd-sync / easgd-async / easgd-hogwild: myelin.EASGD(tau=4, or --tau for every EASGD
-  mode, alpha=0.9/4); measgd: async with momentum=0.9 (You et al.'s mu) on the local update, which is plain SGD as in
-  the paper (lr 0.1), not AdamW: momentum on AdamW's update is not MEASGD (and myelin
-  refuses it); its anchor allreduce-sgd: AllReduce with SGD(lr 0.1, momentum 0.9). The
-  learning rates are the best of bench/replicas_lr.py's sweep.
+  mode, alpha=0.9/4); measgd: async with momentum=0.9 (You et al.'s mu) on the local
+  update, which is plain SGD as in the paper (lr 0.1), not AdamW: momentum on AdamW's
+  update is not MEASGD (and myelin refuses it); its anchor allreduce-sgd: AllReduce with
+  SGD(lr 0.1, momentum 0.9). The learning rates are the best of bench/replicas_lr.py's
+  sweep.
 
 Every `--eval-every` steps, once every rank has got there (a barrier, on the training
 clock: replicas that do not wait for each other every step would otherwise wait for the
