@@ -21,8 +21,8 @@ so its kernels, and results, are exactly those of training without offload.
 `prefetch_ahead` starts bringing back the first pages of the next backwards (microbatches
 that sit in the pipeline), `fetch` marks the start of a microbatch's backward, and
 `release` frees what is left after it. On a machine without a GPU the "device" is host
-memory too, so a page comes back as a view of its pool memory, not a copy, and is
-accounted as resident while it is back.
+memory too, so a page neither leaves nor comes back by a copy: the pool answers for its
+bytes while it is out (pages.py), and it is accounted as resident while it is back.
 """
 
 from __future__ import annotations
@@ -371,10 +371,8 @@ class ActivationStore:
         for page in entry.pages:
             page.freed = True
             page.device_copy = None
-            # On a GPU the host page's last use is on the side stream, which any later use
-            # of the same memory also runs on, so it can be reused at once.
-            if page.host is not None:
-                self.pool.free(page.host)
+            if self.pool is not None:
+                self._copier.free(page, self.pool)
         self.budget.add("activations", -entry.resident, "")
 
     def begin_step(self) -> None:

@@ -4,8 +4,10 @@ host pool.
 A page is one storage autograd saved for backward, whole: several saved tensors (q, k and
 v, views of one projection) can be views of it. `Copier` moves pages: on a GPU every copy
 runs on one side stream, after what the compute stream has queued, and records an event
-that whoever uses the copy waits for; on a CPU the device is host memory, so the copy out
-is a plain copy and a page comes back as a view of its pool memory, without a copy.
+that whoever uses the copy waits for. On a CPU the device is host memory already: a copy
+would free nothing, so paging out hands the page's own storage to the pool, which answers
+for its bytes (`HostPool.adopt`), and a page comes back as that storage, without a copy
+either way (as torch's `save_on_cpu` does on a CPU).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Page:
     index: int = -1  # its place in that order, once the forward is done
     device_copy: torch.Tensor | None = None  # uint8 on the device; accounted while set
     original: bool = False  # device_copy is the forward's own storage, never copied back
-    host: torch.Tensor | None = None  # uint8 in the pool, once paged out
+    host: torch.Tensor | None = None  # uint8 in the pool (adopted on a CPU), once paged out
     ready: Any = None  # a CUDA event: the page's last copy is done
     early: bool = False  # brought back before backward needed it
     counted: bool = False  # counted as a hit or a miss
@@ -65,10 +67,11 @@ class Copier:
         src = page.device_copy
         assert src is not None
         what = f"activations of microbatch {page.mb}"
-        page.host = pool.empty((page.nbytes,), torch.uint8, what=what)
-        if self._stream is None:
-            page.host.copy_(src)
+        if self._stream is None:  # host and device are one memory: adopt, do not copy
+            pool.adopt(page.nbytes, what=what)
+            page.host = src
             return
+        page.host = pool.empty((page.nbytes,), torch.uint8, what=what)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             page.host.copy_(src, non_blocking=True)
@@ -90,6 +93,17 @@ class Copier:
             page.ready = torch.cuda.Event()
             page.ready.record(self._stream)
         return dev
+
+    def free(self, page: Page, pool: HostPool) -> None:
+        """Give the page's host memory back to the pool (on a GPU the page's last use is on
+        the side stream, which any later use of that memory also runs on: no wait)."""
+        if page.host is None:
+            return
+        if self._stream is None:
+            pool.disown(page.nbytes)
+        else:
+            pool.free(page.host)
+        page.host = None
 
     @staticmethod
     def done(page: Page) -> bool:

@@ -177,9 +177,12 @@ class HostPool:
     Slabs of `slab_bytes` are allocated lazily, only when no free range fits, touched at once
     (so the machine check below sees them) and kept for the pool's life; a request larger
     than a slab gets its own slab (rounded up to 1 MiB), kept and reused too. Near the limit
-    a new slab shrinks to the room left. Lasting allocations (`empty(..., lasting=True)`) take
-    slabs of their own, of at most 8 MiB. Sizes are rounded up to 64 bytes and the byte counts
-    reported (`in_use_bytes`, `peak_bytes`) are the rounded ones. Growing past `limit_bytes`,
+    a new slab shrinks to the room left. `adopt` answers for memory the pool did not
+    allocate (a CPU device's paged-out activations, which are host memory already): it
+    counts as in use and against the limit, but takes no slab. Lasting allocations
+    (`empty(..., lasting=True)`) take slabs of their own, of at most 8 MiB. Sizes are rounded
+    up to 64 bytes and the byte counts reported (`in_use_bytes`, `peak_bytes`) are the
+    rounded ones. Growing past `limit_bytes`,
     or so far that less than `reserve_fraction` of the machine's memory would stay free, raises
     HostMemoryError before anything is allocated; the pool stays usable. Thread safe.
     """
@@ -208,6 +211,7 @@ class HostPool:
         self._in_use = 0
         self._peak = 0
         self._capacity = 0
+        self._adopted = 0  # bytes answered for without a slab (see `adopt`)
 
     # -- allocation ---------------------------------------------------------------------
 
@@ -255,6 +259,34 @@ class HostPool:
             slab.give_back(offset, size)
             self._in_use -= size
 
+    def adopt(self, nbytes: int, *, what: str = "") -> None:
+        """Answer for `nbytes` of host memory held elsewhere (on a CPU device, a paged-out
+        activation's own storage: copying host memory to host memory would free nothing).
+        It counts as in use and, with the slabs, against the limit; `disown` gives it up.
+        Raises HostMemoryError, having changed nothing, past the limit."""
+        size = _round_up(nbytes, ALIGN)
+        with self._lock:
+            if self._limit is not None and self._capacity + self._adopted + size > self._limit:
+                raise HostMemoryError(
+                    f"host memory pool limit reached: {what or 'adopted memory'} needs "
+                    f"{human_bytes(size)}, {human_bytes(self._in_use)} is in use of "
+                    f"{human_bytes(self._capacity)} in {len(self._slabs)} slabs and "
+                    f"{human_bytes(self._adopted)} adopted, and the limit (host_memory_limit) "
+                    f"is {human_bytes(self._limit)}; {_FIX_HINT}"
+                )
+            self._adopted += size
+            self._in_use += size
+            self._peak = max(self._peak, self._in_use)
+
+    def disown(self, nbytes: int) -> None:
+        """Stop answering for `nbytes` that `adopt` took on."""
+        size = _round_up(nbytes, ALIGN)
+        with self._lock:
+            if size > self._adopted:
+                raise MyelinError(f"disown({nbytes}): only {human_bytes(self._adopted)} is adopted")
+            self._adopted -= size
+            self._in_use -= size
+
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a live allocation of this pool (one `free` would accept)."""
         if tensor.numel() == 0 or tensor.device.type != "cpu":
@@ -298,7 +330,8 @@ class HostPool:
 
     @property
     def limit_bytes(self) -> int | None:
-        """The most `capacity_bytes` may reach; None means only the machine's memory limits it."""
+        """The most `capacity_bytes` plus adopted bytes may reach; None means only the
+        machine's memory limits it."""
         return self._limit
 
     @property
@@ -313,6 +346,7 @@ class HostPool:
                 "in_use_bytes": self._in_use,
                 "peak_bytes": self._peak,
                 "capacity_bytes": self._capacity,
+                "adopted_bytes": self._adopted,
                 "limit_bytes": self._limit,
                 "slabs": len(self._slabs),
                 "grows": len(self._slabs),
@@ -345,7 +379,7 @@ class HostPool:
         slab_bytes = min(self._slab_bytes, _LASTING_SLAB) if lasting else self._slab_bytes
         target = slab_bytes if need <= slab_bytes else _round_up(need, _MIB)
         if self._limit is not None:
-            room = (self._limit - self._capacity) // ALIGN * ALIGN
+            room = (self._limit - self._capacity - self._adopted) // ALIGN * ALIGN
             if need > room:
                 raise HostMemoryError(
                     f"host memory pool limit reached: {what} needs {human_bytes(need)}, "

@@ -271,19 +271,33 @@ def test_temporary_views_of_one_storage_share_a_page():
 # -- the pool -------------------------------------------------------------------------------
 
 
-def test_pool_reused_across_steps_without_growth():
+def test_cpu_pages_are_adopted_not_copied_and_steady_across_steps():
+    """On a CPU the pool answers for paged-out storages without a slab or a copy: the page
+    backward gets is the forward's own memory, and the bytes go back at release."""
     model, batches, loss_fn = build("gpt")
     pool = HostPool(slab_bytes=1 << 20)
     store = make_store(model, pool, min_bytes=0)
+    saved_ptrs: set[int] = set()
+    pack = store._copier.copy_out
+
+    def copy_out(page, pool_):
+        saved_ptrs.add(page.device_copy.data_ptr())
+        pack(page, pool_)
+        assert page.host.data_ptr() == page.device_copy.data_ptr()  # the same memory
+
+    store._copier.copy_out = copy_out
     seen = []
     for _ in range(4):
         store.begin_step()
+        pool.reset_peak()
         stored_grads(model, batches, loss_fn, store)
-        assert pool.in_use_bytes == 0
-        seen.append((pool.grows, pool.capacity_bytes, store.stats.offloaded_step_bytes))
-    assert pool.grows >= 1
+        assert pool.in_use_bytes == 0 and pool.stats()["adopted_bytes"] == 0
+        seen.append((pool.grows, pool.peak_bytes, store.stats.offloaded_step_bytes))
+    assert saved_ptrs
     assert all(s == seen[0] for s in seen), seen
-    assert store.stats.offloaded_bytes == 4 * seen[0][2]
+    grows, peak, offloaded = seen[0]
+    assert grows == 0 and 0 < peak <= offloaded + 64 * store.stats.pages
+    assert store.stats.offloaded_bytes == 4 * offloaded
 
 
 # -- accounting -----------------------------------------------------------------------------

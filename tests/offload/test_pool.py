@@ -226,11 +226,31 @@ def test_peak_tracking_and_reset():
         "in_use_bytes": 0,
         "peak_bytes": 192,
         "capacity_bytes": 4096,
+        "adopted_bytes": 0,
         "limit_bytes": None,
         "slabs": 1,
         "grows": 1,
         "allocations": 0,
     }
+
+
+def test_adopted_bytes_count_as_in_use_and_against_the_limit():
+    """`adopt` answers for memory held elsewhere (a CPU device's pages): in use, peak and
+    the limit see it, no slab is made, and a refusal changes nothing."""
+    pool = HostPool(limit_bytes=8192, slab_bytes=4096)
+    pool.adopt(1000, what="activations of microbatch 0")  # 1024 rounded
+    assert (pool.in_use_bytes, pool.peak_bytes, pool.grows) == (1024, 1024, 0)
+    a = pool.empty((4096,), torch.uint8)  # one slab: 4096 + 1024 of 8192
+    with pytest.raises(HostMemoryError, match=r"activations of microbatch 3.*host_memory_limit"):
+        pool.adopt(4000, what="activations of microbatch 3")
+    assert pool.stats()["adopted_bytes"] == 1024 and pool.in_use_bytes == 5120
+    with pytest.raises(HostMemoryError, match="host_memory_limit"):
+        pool.empty((4096,), torch.uint8)  # a second slab would pass the limit with the adopted
+    pool.disown(1000)
+    pool.free(a)
+    assert pool.in_use_bytes == 0 and pool.peak_bytes == 5120
+    with pytest.raises(MyelinError, match="adopted"):
+        pool.disown(64)
 
 
 # -- limits -------------------------------------------------------------------------------
