@@ -6,7 +6,9 @@ parameters (the parameters themselves when the model trains in fp32 on the devic
 - "device": state and update on the device; under bf16/fp16, fp32 masters there too;
 - "host": masters, gradients and state in the host pool; gradients stream to the host
   per bucket (during the last backward when nothing reduces them after), the update runs
-  there with torch's foreach kernels, and updated weights stream back;
+  there with torch's foreach kernels, and updated weights stream back. On a CPU device in
+  fp32 the parameters and their gradients are host memory already: only the state goes
+  to the pool, and the update runs in place on the parameters (copies would free nothing);
 - "stream": masters and state in the host pool, the update on the device: bucket by
   bucket, state is copied in (the next bucket's copy overlapping this bucket's update),
   stepped, and copied out.
@@ -73,6 +75,8 @@ class Updater:
         self._stream = torch.cuda.Stream(self.device) if cuda and mode != "device" else None
         self.clip = clip
         self.grads = Gradients(params, self.half)  # fp32, summed in fp32 under half precision
+        # "host" on a CPU in fp32: parameters and gradients are host memory; state goes alone
+        self._in_place = mode == "host" and self.device.type == "cpu" and not self.half
         self.masters = self._make_masters(initial or [p.detach() for p in params])
         names = names if names is not None else [f"param{i}" for i in range(len(params))]
         self.optimizer = build_optimizer(factory, self.masters, names, where)
@@ -88,7 +92,7 @@ class Updater:
         self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
         self._armed = False
         self._stepping: list[int] = []  # the bucket whose masters hold gradients now
-        if mode == "host":
+        if mode == "host" and not self._in_place:
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
             self._install_stream_hooks()
         if mode == "stream":
@@ -102,7 +106,7 @@ class Updater:
     def _make_masters(self, initial: list[torch.Tensor]) -> list[torch.Tensor]:
         """fp32 masters from `initial`: the weights before a cast to half precision, so
         the masters do not start rounded."""
-        if self.mode == "device" and not self.half:
+        if (self.mode == "device" or self._in_place) and not self.half:
             return list(self.params)
         masters = []
         for p, start in zip(self.params, initial, strict=True):
@@ -148,10 +152,12 @@ class Updater:
         """Update the parameters from their gradients; False if fp16 overflowed and the
         step was skipped (on every rank)."""
         self._armed = False
-        if self.mode == "device" and not self.half:
+        if (self.mode == "device" or self._in_place) and not self.half:
             if self.clip is not None:
                 self.clip.clip([p.grad for p in self.params])
             self.optimizer.step()
+            if self._in_place:
+                self._adopt_state(list(range(len(self.masters))))
         elif not self._step_masters():
             self.zero_grad()
             return False
@@ -291,7 +297,9 @@ class Updater:
         """Bytes of masters, gradients and state this updater keeps in the host pool."""
         if self.mode == "device":
             return 0
-        total = sum(nbytes(m) for m in self.masters) + sum(nbytes(g) for g in self._host_grads)
+        total = sum(nbytes(g) for g in self._host_grads)
+        if not self._in_place:  # else the masters are the parameters, counted as such
+            total += sum(nbytes(m) for m in self.masters)
         for state in self.optimizer.state.values():
             total += sum(nbytes(t) for t in state.values() if is_paged(t))
         return total

@@ -154,7 +154,8 @@ def test_memory_stats_report_what_moved():
     ):
         assert key in stats, key
     params = sum(p.numel() for p in GPT(BIG).parameters())
-    assert stats["optimizer_host_bytes"] >= 16 * params  # fp32 master, grad, exp_avg, exp_avg_sq
+    # exp_avg and exp_avg_sq (on a CPU in fp32 the masters and grads are the parameters')
+    assert stats["optimizer_host_bytes"] == 8 * params
     assert stats["activations_offloaded_bytes"] > stats["device_peak_bytes"]
     assert stats["host_pool_peak_bytes"] >= stats["optimizer_host_bytes"]
     assert stats["prefetch_hits"] > stats["prefetch_misses"] > 0  # the first backward waits
