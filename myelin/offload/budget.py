@@ -43,6 +43,7 @@ class DeviceBudget:
         self.where = where  # "rank 0 (stage 0)", for messages
         self.offloading = offloading  # categories already offloaded: not suggested again
         self.resident = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0  # sum(resident.values()), kept: `add` runs per saved tensor
         self.peak_bytes = 0
         self.peak_resident = dict(self.resident)
         self.measured = self.device.type == "cuda"
@@ -53,7 +54,7 @@ class DeviceBudget:
 
     @property
     def total(self) -> int:
-        return sum(self.resident.values())
+        return self._total
 
     def set(self, category: str, nbytes: int, doing: str) -> None:
         """Make `category` hold `nbytes`; raise if that passes the limit."""
@@ -62,11 +63,12 @@ class DeviceBudget:
     def add(self, category: str, nbytes: int, doing: str) -> None:
         """Add (or with a negative count, release) bytes of `category`, checking the limit
         before anything grows, so the error leaves the counts as they were."""
-        total = self.total + nbytes
+        total = self._total + nbytes
         if nbytes > 0 and not self.measured and self.limit_bytes is not None:
             if total > self.limit_bytes:
                 raise DeviceMemoryError(self._explain(category, nbytes, doing))
         self.resident[category] += nbytes
+        self._total = total
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_resident = dict(self.resident)
