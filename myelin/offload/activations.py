@@ -348,7 +348,9 @@ class ActivationStore:
 
     def _used(self, ref: weakref.ref) -> None:
         """An unpacked view died; once every view of its page was used, drop the page from
-        the device (autograd saves each tensor once, so none will be asked for again)."""
+        the device and give its host memory back (autograd saves each tensor once, so none
+        will be asked for again; on a CPU that frees the storage as backward goes, as
+        autograd would, rather than at the end of the microbatch's backward)."""
         page = self._unpacked.pop(ref)
         page.alive -= 1
         if page.alive or page.unpacked < page.views or page.freed:
@@ -356,6 +358,8 @@ class ActivationStore:
         entry = self._mbs.get(page.mb)
         if entry is not None:
             self._drop(entry, page)
+            if self.pool is not None:
+                self._copier.free(page, self.pool)
 
     def take_waits(self) -> list[tuple[int, float, float]]:
         """The waits for pages since the last call: (microbatch, start, end) on the

@@ -300,6 +300,26 @@ def test_cpu_pages_are_adopted_not_copied_and_steady_across_steps():
     assert store.stats.offloaded_bytes == 4 * offloaded
 
 
+def test_pages_go_back_to_the_pool_as_backward_uses_them():
+    """A page is used up once backward has unpacked and dropped every view of it: its host
+    memory goes back then (as autograd frees saved tensors), not at the microbatch's end."""
+    model, batches, loss_fn = build("gpt")
+    pool = HostPool(slab_bytes=1 << 20)
+    store = make_store(model, pool, min_bytes=0)
+    x, y = batches[0]
+    with store.saving(0):
+        loss = loss_fn(model(x), y)
+    out_after_forward = pool.in_use_bytes
+    seen = []  # the pool's bytes when backward reaches the embedding (the first layer)
+    model.embed.wte.weight.register_hook(lambda g: seen.append(pool.in_use_bytes))
+    store.fetch(0)
+    loss.backward()
+    assert out_after_forward > 0 and seen
+    assert seen[0] < out_after_forward / 2, (seen, out_after_forward)
+    store.release(0)
+    assert pool.in_use_bytes == 0
+
+
 # -- accounting -----------------------------------------------------------------------------
 
 
