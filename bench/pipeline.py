@@ -7,7 +7,8 @@ Every peer trains the same GPT (myelin.models.GPT, vocab 256, same seed, stages 
 `myelin.partition.split(model, 2)` splits them) on the same batches with AdamW:
 
 - myelin: `myelin.Trainer(stages=2)`, message-driven; as extra rows its fixed "1f1b"
-  and "gpipe" policies (myelin-1f1b, myelin-gpipe);
+  and "gpipe" policies (myelin-1f1b, myelin-gpipe) and "zero-bubble" (myelin-zb: split
+  backwards, runtime/split.py);
 - torch-1f1b / torch-gpipe: `PipelineStage` + `Schedule1F1B` / `ScheduleGPipe` over gloo;
 - single-1t / single-2t: one process, gradient accumulation over the same microbatches,
   with 1 or 2 torch threads;
@@ -84,6 +85,7 @@ PEERS = {
         Peer("2x single-1t", "pair", 2, 1, configs=("fixed",)),
         Peer("myelin-1f1b", "myelin", STAGES, 1, "1f1b", configs=("fixed",), extra=True),
         Peer("myelin-gpipe", "myelin", STAGES, 1, "gpipe", configs=("fixed",), extra=True),
+        Peer("myelin-zb", "myelin", STAGES, 1, "zero-bubble", configs=("fixed",), extra=True),
     )
 }
 
@@ -100,7 +102,7 @@ class Plan:
     steps: int  # measured steps per peer, config and round
     warmup: int  # steps per peer and config run once before the first round, not measured
     rounds: int
-    extras: bool  # also measure myelin's fixed "1f1b" and "gpipe" policies
+    extras: bool  # also measure myelin's "1f1b", "gpipe" and "zero-bubble" policies
     timeout_s: float  # longest any one command to a worker may take
 
     def peers(self) -> list[Peer]:
@@ -400,7 +402,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per peer, config")
-    parser.add_argument("--no-extras", action="store_true", help="skip myelin's fixed policies")
+    parser.add_argument("--no-extras", action="store_true", help="skip myelin's other policies")
     parser.add_argument("--quick", action="store_true", help="a ~1 minute run")
     parser.add_argument("--out", help="JSON path (default bench/results/pipeline.json)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command")

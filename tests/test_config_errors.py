@@ -35,7 +35,7 @@ from myelin.train import TrainConfig
 ROOT = Path(__file__).resolve().parents[1]
 BIG = "[1, 1000000000]"
 BYTES = "expected a positive int"  # parse_bytes names the forms a byte count takes
-SCHEDULES = "message-driven, gpipe, 1f1b"
+SCHEDULES = "message-driven, gpipe, 1f1b, zero-bubble"
 UNSET = None  # an env override of None removes the variable
 
 

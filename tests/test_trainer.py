@@ -116,7 +116,10 @@ def test_split_batch_shapes_and_errors():
         ({"stages": 1.5}, "stages=1.5 must be an int >= 1"),
         ({"microbatches": -1}, "microbatches=-1 must be an int >= 1"),
         ({"data_parallel": True}, "data_parallel=True must be an int >= 1"),
-        ({"schedule": "zigzag"}, "schedule='zigzag' must be one of message-driven, gpipe, 1f1b"),
+        (
+            {"schedule": "zigzag"},
+            "schedule='zigzag' must be one of message-driven, gpipe, 1f1b, zero-bubble",
+        ),
         ({"max_inflight": 0}, "max_inflight=0 must be an int >= 1"),
         ({"partition": [1, 1]}, r"partition=\[1, 1\] lists 2 stages, but stages=1"),
         ({"partition": [0]}, "each entry must be an int >= 1"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = ["MESSAGE_CAUSES", "attribute", "simulate"]
 
 MESSAGE_CAUSES = ("bubble", "latency", "slow_peer", "sync")
 _OPS = {"forward": "F", "eval": "F", "backward": "B", "optimizer": "OPT"}
+_WEIGHTS = re.compile(r"\d+W\d+$")  # `1W3`: a W; an I (`1I3`) sends as a B does
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,6 +182,8 @@ def _ranks(
         ops, waits = [], []
         for s in sorted(mine, key=lambda s: s.start):
             kind = _OPS.get(s.kind)
+            if kind == "B" and _WEIGHTS.match(s.name):  # a split backward's W: no message
+                kind = "W"
             if kind is not None and s.cause is None:
                 key = (s.step, replica, stage, kind, s.microbatch)
                 needs = _needs(key, stages)
@@ -202,7 +206,8 @@ def _ranks(
 
 
 def _needs(key: tuple, stages: int) -> tuple | None:
-    """The operation whose message makes `key` ready (None: ready from local data)."""
+    """The operation whose message makes `key` ready (None: ready from local data; a W
+    follows its own I)."""
     step, replica, stage, kind, mb = key
     if kind == "F" and stage > 0:
         return (step, replica, stage - 1, "F", mb)

@@ -41,7 +41,8 @@ class LoopStats:
     """Counters a user or test can read off `trainer.loop.stats`."""
 
     forwards: int = 0
-    backwards: int = 0
+    backwards: int = 0  # B and I operations
+    weights: int = 0  # W operations: the weight gradients a split backward left
     rejected: int = 0
     early: int = 0
 

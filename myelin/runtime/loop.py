@@ -44,6 +44,8 @@ from myelin.runtime.waits import describe_wait, misfit
 __all__ = ["LoopConfig", "LoopStats", "EventLoop"]
 
 log = logging.getLogger(__name__)
+_KIND = {"B": "backward", "I": "input gradients", "W": "weight gradients"}
+_WAITS = {"offload": ("offload_wait", "offload"), "allreduce": ("collective_wait", "collective")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +118,8 @@ class EventLoop:
             stage.index, stage.device, world, transport, self.timeline, self.flight
         )
         self._forward_only = ForwardOnly()
+        if policy.splits:  # tied parameters' gradients stay in I: tied.py's hooks sum them
+            stage.split_backward(keep=[p for tie in self.tied for p in tie.params])
 
     # -- one step ------------------------------------------------------------
 
@@ -154,7 +158,7 @@ class EventLoop:
         for tie in self.tied:  # each holder applies the same update: the copies stay equal
             start = self.timeline.now()
             sum_gradients(self.updater.grads.holders_of(tie.params), tie.group, self.world.waits)
-            self._collective(f"{self.stage.index}TIED", start)
+            self._waited("allreduce", f"{self.stage.index}TIED", start)
         loss = self._agree(loss, train=True)
         if self.updater is not None:
             self.flight.now(f"in the optimizer step of step {step}")
@@ -162,7 +166,7 @@ class EventLoop:
             if self.replicas is not None:
                 start = self.timeline.now()
                 self.replicas.after_optimizer_step()
-                self._collective(f"{self.stage.index}SYNC", start)
+                self._waited("allreduce", f"{self.stage.index}SYNC", start)
         elif self.clip is not None:
             self.clip.clip([])
         self.flight.now(f"between steps (step {step} done)")
@@ -274,15 +278,20 @@ class EventLoop:
 
     def _run(self, action: Action, ready: Ready, policy: Policy) -> None:
         mb = action.microbatch
-        kind = "backward" if action.kind == "B" else "forward" if policy.trains else "eval"
+        kind = _KIND.get(action.kind, "forward" if policy.trains else "eval")
         self.flight.now(f"running {action} ({kind} of microbatch {mb}) in step {self._step}")
         self.flight.note("run %s", action)
         if kind == "forward":
             self._forward(action, ready)
-        elif kind == "backward":
-            self._backward(action, ready)
-        else:
+        elif kind == "weight gradients":  # the W of a split backward: nothing to send
+            with self.timeline.op("backward", str(action), self._step, microbatch=mb):
+                self.stage.backward_weight(mb)
+            ready.ran("W", mb)
+            self.stats.weights += 1
+        elif kind == "eval":
             self._evaluate(action, ready)
+        else:
+            self._backward(action, ready)
 
     def _forward(self, action: Action, ready: Ready) -> None:
         mb, stage = action.microbatch, self.stage
@@ -315,11 +324,11 @@ class EventLoop:
         mb, stage = action.microbatch, self.stage
         ready.backward.discard(mb)
         grads, index, loss = self.inbox.grads.pop(mb)
-        self._before_backward(mb, ready)
+        self._before_backward(mb, ready, whole=action.kind == "B")
         if self.ties is not None:
             self.ties.before_backward(self.inbox.pieces.pop(mb, {}))
         with self.timeline.op("backward", str(action), self._step, microbatch=mb):
-            in_grads, in_index = stage.backward(mb, grads, index)
+            in_grads, in_index = stage.backward(mb, grads, index, split=action.kind == "I")
         if self.ties is not None:  # this stage's pieces of tied gradients, to their first holder
             for dest, keys, pieces in self.ties.after_backward():
                 self.outbox.send(self._step, dest, "tied", mb, pieces, {"keys": keys})
@@ -327,6 +336,8 @@ class EventLoop:
         self._prefetch()
         self._losses[mb] = loss
         ready.ran("B", mb)
+        if stage.weights_wait(mb):  # its W runs when the policy picks it
+            ready.weights.append(mb)
         self.stats.backwards += 1
         if not stage.is_first:
             meta = {"index": in_index, "loss": loss}
@@ -363,12 +374,14 @@ class EventLoop:
 
     # -- memory --------------------------------------------------------------
 
-    def _before_backward(self, mb: int, ready: Ready) -> None:
-        """Gradients take memory from the step's first backward; the last one may stream
-        them to the host or start their all-reduce (not tied ones: summed after it)."""
+    def _before_backward(self, mb: int, ready: Ready, whole: bool) -> None:
+        """Gradients take memory from the step's first backward; the last one, if `whole`
+        (not an I whose W comes later), may stream them to the host or start their
+        all-reduce (not tied ones: summed after it)."""
         if self.budget is not None and ready.backwards_done == 0:
             self.budget.set("gradients", self._grad_bytes, f"the backward of microbatch {mb}")
         last = ready.backwards_done == ready.microbatches - 1 and self.updater is not None
+        last = last and whole and not ready.weights
         reduced = self.tied or (self.replicas is not None and self.replicas.reduces_gradients)
         if last and not reduced:
             self.updater.arm()
@@ -385,16 +398,8 @@ class EventLoop:
             return
         origin = self.timeline.origin
         for mb, start, end in store.take_waits():
-            self.timeline.add(
-                "offload",
-                f"{self.stage.index}FETCH{mb}",
-                start - origin,
-                end - origin,
-                self._step,
-                cause="offload_wait",
-                microbatch=mb,
-                track="offload",
-            )
+            name = f"{self.stage.index}FETCH{mb}"
+            self._waited("offload", name, start - origin, end - origin, microbatch=mb)
 
     def _prefetch(self) -> None:
         """Bring back the pages of the backwards that come next. On a GPU the copies run on a
@@ -404,19 +409,15 @@ class EventLoop:
             return
         start = self.timeline.now()
         if store.prefetch_ahead() and self.stage.device.type != "cuda":
-            self._offload_wait(f"{self.stage.index}PREFETCH", start)
+            self._waited("offload", f"{self.stage.index}PREFETCH", start)
 
-    def _offload_wait(self, name: str, start: float, **fields: Any) -> None:
-        self.timeline.add(
-            "offload",
-            name,
-            start,
-            self.timeline.now(),
-            self._step,
-            cause="offload_wait",
-            track="offload",
-            **fields,
-        )
+    def _waited(
+        self, kind: str, name: str, start: float, end: float | None = None, **fields: Any
+    ) -> None:
+        """A span of offload copies or of a collective, from `start` to `end` (default now)."""
+        cause, track = _WAITS[kind]
+        end = self.timeline.now() if end is None else end
+        self.timeline.add(kind, name, start, end, self._step, cause=cause, track=track, **fields)
 
     # -- the end of a step ---------------------------------------------------
 
@@ -435,16 +436,5 @@ class EventLoop:
             loss = self.replicas.backwards_done(holders, loss)
         else:
             loss = self.replicas.eval_loss(loss)
-        self._collective(f"{self.stage.index}ALLREDUCE", start)
+        self._waited("allreduce", f"{self.stage.index}ALLREDUCE", start)
         return loss
-
-    def _collective(self, name: str, start: float) -> None:
-        self.timeline.add(
-            "allreduce",
-            name,
-            start,
-            self.timeline.now(),
-            self._step,
-            cause="collective_wait",
-            track="collective",
-        )

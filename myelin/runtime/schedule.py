@@ -1,9 +1,13 @@
 """Operation names and the policies that choose which ready operation runs next.
 
 Actions use torch.distributed.pipelining's notation: `1F3` is stage 1's forward of
-microbatch 3, `1B3` its backward, `1SEND_F3` the send of that forward's output.
+microbatch 3, `1B3` its backward, `1SEND_F3` the send of that forward's output; a backward
+split in two (split.py) is `1I3`, the input gradients, sent upstream at once, and `1W3`,
+the weight gradients, computed later.
 The default policy is message-driven: whatever is ready runs, backward before
-forward, oldest microbatch first. GPipe and 1F1B are fixed orders, kept to compare.
+forward, oldest microbatch first. "zero-bubble" is the same with split backwards, each W
+run when nothing else is ready, in time the stage would otherwise wait. GPipe and 1F1B
+are fixed orders, kept to compare.
 Evaluation is the forward-only policy: every forward as soon as its input is here.
 """
 
@@ -15,10 +19,19 @@ from typing import NamedTuple
 
 from myelin.errors import ConfigError
 
-__all__ = ["Action", "SCHEDULES", "Ready", "Policy", "ForwardOnly", "make_policy", "fixed_order"]
+__all__ = [
+    "Action",
+    "SCHEDULES",
+    "Ready",
+    "Policy",
+    "ZeroBubble",
+    "ForwardOnly",
+    "make_policy",
+    "fixed_order",
+]
 
-SCHEDULES = ("message-driven", "gpipe", "1f1b")
-_KINDS = ("F", "B", "SEND_F", "SEND_B", "RECV_F", "RECV_B", "OPT", "ALLREDUCE")
+SCHEDULES = ("message-driven", "gpipe", "1f1b", "zero-bubble")
+_KINDS = ("F", "B", "I", "W", "SEND_F", "SEND_B", "RECV_F", "RECV_B", "OPT", "ALLREDUCE")
 _PATTERN = re.compile(r"^(\d+)(" + "|".join(sorted(_KINDS, key=len, reverse=True)) + r")(\d*)$")
 
 
@@ -55,12 +68,16 @@ class Ready:
     forwarded: set[int] = field(default_factory=set)  # microbatches whose forward ran here
     backwarded: set[int] = field(default_factory=set)
     loss: float | None = None  # evaluation: the step's loss, once the last stage has told it
+    weights: list[int] = field(default_factory=list)  # split backwards whose W waits, I order
 
     def ran(self, kind: str, mb: int) -> None:
-        """Count an operation that ran."""
+        """Count an operation that ran (an I counts as the backward; its W only leaves
+        `weights`)."""
         if kind == "F":
             self.forwards_done += 1
             self.forwarded.add(mb)
+        elif kind == "W":
+            self.weights.remove(mb)
         else:
             self.backwards_done += 1
             self.backwarded.add(mb)
@@ -83,6 +100,7 @@ class Policy:
 
     name = "message-driven"
     trains = True  # forwards keep what backward needs; False: forward only (evaluation)
+    splits = False  # backwards run as I and W (split.py), not as one B
 
     def __init__(self, max_inflight: int) -> None:
         self.max_inflight = max_inflight
@@ -91,8 +109,8 @@ class Policy:
         """Called once per step before any action of that step."""
 
     def done(self, ready: Ready) -> bool:
-        """Whether this stage's share of the step is over: every backward has run."""
-        return ready.backwards_done >= ready.microbatches
+        """Whether this stage's share of the step is over: every backward (and W) has run."""
+        return ready.backwards_done >= ready.microbatches and not ready.weights
 
     def pick(self, ready: Ready) -> Action | None:
         if ready.backward:
@@ -114,6 +132,31 @@ class Policy:
             return Action(ready.stage, "B", min(waiting))
         mb = ready.next_missing_forward()
         return Action(ready.stage, "F", mb) if mb is not None else None
+
+
+class ZeroBubble(Policy):
+    """Message-driven with split backwards: an I as soon as its gradient is here, then
+    forwards (under the same window), then the oldest W when nothing else is ready.
+
+    The first stage sends no input gradient, so its last backward runs whole (B), after
+    every W: the step's gradients are then final in one backward, as the hooks that
+    stream or reduce them during it expect (loop.py arms them for a B only).
+    """
+
+    name = "zero-bubble"
+    splits = True
+
+    def pick(self, ready: Ready) -> Action | None:
+        if ready.backward:
+            if ready.stage == 0 and ready.backwards_done == ready.microbatches - 1:
+                if ready.weights:
+                    return Action(ready.stage, "W", ready.weights[0])
+                return Action(ready.stage, "B", min(ready.backward))
+            return Action(ready.stage, "I", min(ready.backward))
+        action = super().pick(ready)
+        if action is None and ready.weights:
+            return Action(ready.stage, "W", ready.weights[0])
+        return action
 
 
 class FixedPolicy(Policy):
@@ -194,6 +237,8 @@ def make_policy(schedule: str, max_inflight: int) -> Policy:
     """Build the policy named by `schedule` (one of SCHEDULES)."""
     if schedule == "message-driven":
         return Policy(max_inflight)
+    if schedule == "zero-bubble":
+        return ZeroBubble(max_inflight)
     if schedule in ("gpipe", "1f1b"):
         return FixedPolicy(schedule, max_inflight)
     raise ConfigError(f"schedule={schedule!r} must be one of {SCHEDULES}")

@@ -21,6 +21,7 @@ from myelin.errors import MyelinError
 from myelin.losses import StepLoss, step_loss
 from myelin.offload.activations import ActivationStore
 from myelin.runtime.rng import LayerStreams
+from myelin.runtime.split import SplitBackward
 
 __all__ = ["InputMismatch", "Stage", "as_tuple"]
 
@@ -77,6 +78,7 @@ class Stage:
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
         self._flights: dict[int, _Flight] = {}
+        self.split: SplitBackward | None = None  # backwards in two parts (split_backward)
 
     def forward(
         self,
@@ -102,7 +104,8 @@ class Stage:
             if self.activations is not None
             else contextlib.nullcontext()
         )
-        with saving, self._random():
+        recording = self.split.recording(mb) if self.split is not None else contextlib.nullcontext()
+        with saving, self._random(), recording:
             outputs = as_tuple(self._run_module(tuple(_alias(t) for t in inputs)))
             if not self.is_last:
                 self._flights[mb] = _Flight(inputs, outputs)
@@ -179,23 +182,30 @@ class Stage:
         return float(flight.loss)
 
     def backward(
-        self, mb: int, grads: list[torch.Tensor] | None = None, index: list[int] | None = None
+        self,
+        mb: int,
+        grads: list[torch.Tensor] | None = None,
+        index: list[int] | None = None,
+        split: bool = False,
     ) -> tuple[list[torch.Tensor], list[int]]:
         """Run the backward of microbatch `mb` given the gradients of its outputs.
 
         `index` says which outputs `grads` belong to. Returns the gradients of the
-        inputs that need one, and their positions, for the previous stage.
+        inputs that need one, and their positions, for the previous stage. `split`: only
+        the input part (I); the linear layers' weight gradients wait for `backward_weight`.
         """
         flight = self._flights.pop(mb, None)
         if flight is None:
             raise MyelinError(f"stage {self.index}: backward of microbatch {mb} before its forward")
         if self.activations is not None:
             self.activations.fetch(mb)
+        parts = self.split.backward(mb, split) if self.split is not None else None
         try:
-            self._backward(mb, flight, grads, index)
+            with parts or contextlib.nullcontext():
+                self._backward(mb, flight, grads, index)
         finally:
-            if self.activations is not None:
-                self.activations.release(mb)
+            if self.activations is not None and not self.weights_wait(mb):
+                self.activations.release(mb)  # else after W, which reads what forward saved
         if self.is_first:
             return [], []
         out_grads, out_index = [], []
@@ -236,6 +246,27 @@ class Stage:
             if pairs:
                 torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
 
+    def split_backward(self, keep: list[torch.Tensor]) -> None:
+        """Let backwards run split in two (I, then W: split.py), keeping the gradients of
+        `keep` (tied parameters) in I. Not when activations are paged out: a page leaves
+        once backward has read it, so W would find it gone; backwards then run whole."""
+        if self.activations is None or not self.activations.pages_out:
+            self.split = SplitBackward({id(p) for p in keep})
+
+    def weights_wait(self, mb: int) -> bool:
+        """Whether microbatch `mb`'s backward left weight gradients for `backward_weight`."""
+        return self.split is not None and self.split.pending(mb)
+
+    def backward_weight(self, mb: int) -> None:
+        """The weight part (W) of a split backward of microbatch `mb`."""
+        if not self.weights_wait(mb):
+            return
+        try:
+            self.split.run(mb)
+        finally:
+            if self.activations is not None:
+                self.activations.release(mb)
+
     def in_flight(self, mb: int) -> bool:
         """Whether microbatch `mb` has run forward here and waits for its backward."""
         return mb in self._flights
@@ -243,6 +274,8 @@ class Stage:
     def clear(self) -> None:
         """Forget every microbatch in flight (after a failed step)."""
         self._flights.clear()
+        if self.split is not None:
+            self.split.clear()
         if self.activations is not None:
             self.activations.clear()
 

@@ -93,3 +93,51 @@ def test_without_every_rank_there_is_no_replay():
     lines = gpipe(2, 4, steps=3, latency=0.001)
     records = [collect(lines[0], replica=0) | {"stages": 2}]  # rank 1 sent nothing
     assert attribute(records, {0: lines[0].spans}, 1) is None
+
+
+def ordered(orders: list[list[str]], times: dict[str, float], steps: int) -> list[Timeline]:
+    """Each stage runs its actions (`F0`, `I0`, `W0`, `B0`) in the order given, each as soon
+    as its message is here (no latency): an F after the previous stage's F, an I or B after
+    the next stage's I or B of that microbatch; a W needs only its own I."""
+    p = len(orders)
+    lines = [Timeline(s, s) for s in range(p)]
+    for line in lines:
+        line.wall_origin, line.origin = lines[0].wall_origin, lines[0].origin
+    free = [0.0] * p
+    for step in range(steps):
+        done: dict[tuple[int, str, int], float] = {}  # (stage, F or G(radient) or W, mb)
+        at = [0] * p
+        while any(at[s] < len(orders[s]) for s in range(p)):
+            for s in range(p):
+                while at[s] < len(orders[s]):
+                    kind, mb = orders[s][at[s]][0], int(orders[s][at[s]][1:])
+                    made = "G" if kind in "IB" else kind
+                    src = s - 1 if kind == "F" else s + 1 if made == "G" else p
+                    if 0 <= src < p and (src, made, mb) not in done:
+                        break
+                    start = max(free[s], done.get((src, made, mb), 0.0))
+                    if start > free[s]:
+                        lines[s].add("wait", f"{s}RECV{kind}{mb}", free[s], start, step,
+                                     cause="bubble", microbatch=mb)  # fmt: skip
+                    name = "forward" if kind == "F" else "backward"
+                    end = start + times[kind]
+                    lines[s].add(name, f"{s}{kind}{mb}", start, end, step, microbatch=mb)
+                    done[(s, made, mb)] = free[s] = end
+                    at[s] += 1
+    return lines
+
+
+def test_a_split_backward_s_w_needs_no_message_in_the_replay():
+    """Zero-bubble on two stages: W runs in what would be bubble, and the replay knows an
+    I is what the previous stage waits for (not the W that comes later)."""
+    orders = [
+        ["F0", "F1", "I0", "F2", "I1", "F3", "W0", "W1", "I2", "W2", "B3"],
+        ["F0", "I0", "F1", "I1", "W0", "F2", "I2", "W1", "F3", "I3", "W2", "W3"],
+    ]
+    lines = ordered(orders, {"F": 0.010, "I": 0.010, "W": 0.008, "B": 0.018}, steps=3)
+    rows, expected, _, _ = figures(lines)
+    for r, row in rows.items():
+        assert row["idle"]["bubble"] > 0.05, (r, row["idle"])
+        assert expected[r] == pytest.approx(row["idle"]["bubble"], abs=1e-6), r
+        for cause in ("latency", "slow_peer"):
+            assert row["idle"].get(cause, 0.0) == pytest.approx(0, abs=1e-9), (r, cause)

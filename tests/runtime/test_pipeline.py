@@ -42,6 +42,8 @@ TWO = [
     "gpt:2:1:message-driven:ipc:fixed",
     "gpt:2:1:message-driven:ipc:varied",
     "gpt:2:1:1f1b:tcp:varied",
+    "gpt:2:1:zero-bubble:ipc:fixed",
+    "gpt:2:1:zero-bubble:tcp:varied",
 ]
 
 FOUR = [
@@ -53,20 +55,38 @@ FOUR = [
     "gpt:4:1:message-driven:tcp:varied",
     "mlp:2:2:message-driven:ipc:fixed",
     "gpt:2:2:1f1b:tcp:varied",
+    "gpt:4:1:zero-bubble:ipc:fixed",
+    "gpt:2:2:zero-bubble:tcp:varied",
 ]
+
+
+def _split(job, case, stages=None):
+    """Whether every rank (of `stages`) of `case` ran W operations: its backwards split."""
+    for res in job.results.values():
+        if stages is None or res[case]["stage"] in stages:
+            assert res[case]["weights"] > 0, (case, res[case]["stage"])
 
 
 def test_two_stages_match_single_process(tmp_path):
     job = launch(2, "equivalence.py", TWO, tmp_path, timeout=180)
     _check(job, TWO, 2)
-    _same_params(job, TWO[4:7])  # the three schedules agree bit for bit
-    _same_params(job, ["gpt:2:1:message-driven:ipc:varied", "gpt:2:1:1f1b:tcp:varied"])
+    _same_params(job, TWO[4:7] + TWO[9:10])  # the four schedules agree bit for bit
+    varied = ["gpt:2:1:message-driven:ipc:varied", "gpt:2:1:1f1b:tcp:varied"]
+    _same_params(job, varied + TWO[10:])
+    for case in TWO[9:]:
+        _split(job, case)
 
 
 def test_four_processes_match_single_process(tmp_path):
     job = launch(4, "equivalence.py", FOUR, tmp_path, timeout=240)
     _check(job, FOUR, 4)
-    _same_params(job, FOUR[2:5])
+    _same_params(job, FOUR[2:5] + FOUR[8:9])
+    _same_params(job, ["gpt:2:2:1f1b:tcp:varied", "gpt:2:2:zero-bubble:tcp:varied"])
+    for case in FOUR[8:]:
+        _split(job, case)
+    for res in job.results.values():  # stage 0's last backward, whole, overlaps the all-reduce
+        if res["gpt:2:2:zero-bubble:tcp:varied"]["stage"] == 0:
+            assert res["gpt:2:2:zero-bubble:tcp:varied"]["overlapped"] > 0
     for case in ("mlp:2:2:message-driven:ipc:fixed", "gpt:2:2:1f1b:tcp:varied"):
         by_stage = {}
         for res in job.results.values():
@@ -117,17 +137,26 @@ def test_offload_changes_nothing_on_two_stages(tmp_path):
     varied = _offload_cases("gpt:2:1:message-driven:ipc:varied")
     tied = ["hf:2:1:1f1b:ipc:fixed:eager:none", "hf:2:1:1f1b:ipc:fixed:eager:both"]
     exact = [f"{case}:fp32:microbatch" for case in tied]  # GPT-2's tie added per microbatch
+    # GPT-2's blocks are Conv1D (addmm), not F.linear: under zero-bubble nothing splits there
+    exact_split = [*exact, "hf:2:1:zero-bubble:ipc:fixed:eager:none:fp32:microbatch"]
     half = [_offload_cases("gpt:2:1:1f1b:ipc:fixed", ("none", "both"), p) for p in HALF]
-    cases = gpipe + varied + tied + exact
-    job = launch(2, "equivalence.py", cases + sum(half, []), tmp_path, timeout=240)
+    # split backwards, their W streaming gradients to the host; under bf16; and with pages
+    # out (where backwards run whole: W would find the pages gone)
+    split = _offload_cases("gpt:2:1:zero-bubble:ipc:varied", ("stream", "both"))
+    bf16 = _offload_cases("gpt:2:1:zero-bubble:ipc:fixed", ("none", "stream"), "bf16")
+    cases = gpipe + varied + tied + exact_split + split
+    job = launch(2, "equivalence.py", cases + sum(half, bf16), tmp_path, timeout=240)
     _check(job, cases, 2)
-    for group in (gpipe, varied, tied, exact, *half):
+    for group in (gpipe, varied + split, tied, exact_split, half[0] + bf16, half[1]):
         _identical(job, group)
     for group in (gpipe, varied, tied, exact, *half):
         _paged(job, group[-1])
     for res in job.results.values():  # one process's bits, offloaded or not
-        assert all(res[c]["param_diff"] == 0.0 for c in exact), exact
-        assert all(res[c]["losses"] == res[c]["ref_losses"] for c in exact), exact
+        assert all(res[c]["param_diff"] == 0.0 for c in exact_split), exact_split
+        assert all(res[c]["losses"] == res[c]["ref_losses"] for c in exact_split), exact_split
+    for case in (split[0], *bf16):
+        _split(job, case)
+    assert all(res[split[1]]["weights"] == 0 for res in job.results.values())
 
 
 @pytest.mark.slow  # 16 s; two stages (the default suite) run the same paths

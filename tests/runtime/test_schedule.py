@@ -8,7 +8,9 @@ from myelin import Action, ConfigError
 from myelin.runtime.schedule import ForwardOnly, Ready, fixed_order, make_policy
 
 
-@pytest.mark.parametrize("text", ["1F3", "0B0", "12F105", "1SEND_F3", "2RECV_B0", "3OPT"])
+@pytest.mark.parametrize(
+    "text", ["1F3", "0B0", "12F105", "1SEND_F3", "2RECV_B0", "3OPT", "1I3", "0W12"]
+)
 def test_action_string_round_trips(text):
     assert str(Action.parse(text)) == text
 
@@ -97,7 +99,7 @@ def test_forward_only_runs_every_forward_oldest_first_and_waits_for_the_loss():
 
 
 def test_training_policies_are_done_when_every_backward_ran():
-    for name in ("message-driven", "gpipe", "1f1b"):
+    for name in ("message-driven", "zero-bubble", "gpipe", "1f1b"):
         policy, ready = make_policy(name, 1), Ready(1, 2, 2)
         assert policy.trains and not policy.done(ready)
         for kind, mb in (("F", 0), ("F", 1), ("B", 0)):
@@ -105,3 +107,52 @@ def test_training_policies_are_done_when_every_backward_ran():
         assert not policy.done(ready)
         ready.ran("B", 1)
         assert policy.done(ready)
+
+
+def _run(ready: Ready, action: Action, waits: bool = True) -> None:
+    """What the loop does after running `action` (an I whose stage deferred a W: `waits`)."""
+    (ready.forward if action.kind == "F" else ready.backward).discard(action.microbatch)
+    ready.ran(action.kind, action.microbatch)
+    if action.kind == "I" and waits:
+        ready.weights.append(action.microbatch)
+
+
+def test_zero_bubble_runs_i_first_then_forwards_and_fills_waits_with_w():
+    policy = make_policy("zero-bubble", max_inflight=2)
+    ready = Ready(1, 3, 3, forward={0, 1})
+    assert policy.splits and policy.pick(ready) == Action(1, "F", 0)
+    _run(ready, Action(1, "F", 0))
+    ready.backward.add(0)
+    assert policy.pick(ready) == Action(1, "I", 0)  # before the forward that is ready too
+    _run(ready, Action(1, "I", 0))
+    assert policy.pick(ready) == Action(1, "F", 1)  # a forward before the W
+    _run(ready, Action(1, "F", 1))
+    assert policy.pick(ready) == Action(1, "W", 0)  # nothing else ready: the W
+    _run(ready, Action(1, "W", 0))
+    assert policy.pick(ready) is None and policy.waiting_for(ready) == Action(1, "B", 1)
+    ready.backward.add(1)
+    _run(ready, policy.pick(ready), waits=False)  # an I that left no W (no linear layer)
+    assert ready.weights == [] and ready.backwards_done == 2
+
+
+def test_zero_bubble_stage0_runs_its_last_backward_whole_after_every_w():
+    policy, ready = make_policy("zero-bubble", max_inflight=2), Ready(0, 2, 2, forward={0, 1})
+    for action in (Action(0, "F", 0), Action(0, "F", 1)):
+        _run(ready, action)
+    ready.backward = {0, 1}
+    assert policy.pick(ready) == Action(0, "I", 0)
+    _run(ready, Action(0, "I", 0))
+    assert policy.pick(ready) == Action(0, "W", 0)  # the W before the step's last backward
+    _run(ready, Action(0, "W", 0))
+    assert not policy.done(ready) and policy.pick(ready) == Action(0, "B", 1)
+    _run(ready, Action(0, "B", 1))
+    assert policy.done(ready)
+
+
+def test_a_step_is_not_done_while_a_w_waits():
+    policy, ready = make_policy("zero-bubble", max_inflight=1), Ready(1, 2, 1)
+    _run(ready, Action(1, "F", 0))
+    _run(ready, Action(1, "I", 0))
+    assert not policy.done(ready) and policy.pick(ready) == Action(1, "W", 0)
+    _run(ready, Action(1, "W", 0))
+    assert policy.done(ready)

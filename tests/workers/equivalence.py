@@ -213,6 +213,8 @@ def run_case(case):
             "digest": digest.hexdigest(),
             "transport": trainer.transport.kind if trainer.transport else None,
             "memory": trainer.memory_stats(),
+            "weights": trainer.loop.stats.weights,  # W operations run (split backwards)
+            "overlapped": getattr(trainer.loop.replicas, "overlapped", None),
         }
 
 

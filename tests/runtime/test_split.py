@@ -1,0 +1,115 @@
+"""Split backward (runtime/split.py): I now, W later, bit for bit one backward's gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from myelin.runtime.split import SplitBackward
+
+
+class Mixed(nn.Module):
+    """Linears of every shape ATen treats apart, beside weights that must stay in I: an
+    embedding whose table is also a linear's weight (tied), a weight two linears share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.a = nn.Linear(8, 12)  # 3-D contiguous input, bias
+        self.b = nn.Linear(12, 8, bias=False)  # 3-D, no bias
+        self.c = nn.Linear(8, 8)  # 2-D input
+        self.e = nn.Linear(8, 8)  # 2-D column-major input
+        self.d = nn.Linear(8, 8)  # non-contiguous 3-D input
+        self.shared = nn.Linear(8, 8)  # called twice
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)  # (B, T, 8)
+        x = self.b(F.gelu(self.a(x)))
+        flat = x.reshape(-1, 8)  # 2-D inputs, row- and column-major
+        x = (self.c(flat) + self.e(flat.t().contiguous().t())).view_as(x)
+        x = self.d(x.transpose(0, 1)).transpose(0, 1)
+        x = self.shared(self.shared(self.ln(x)))
+        return F.linear(x, self.emb.weight)  # (B, T, 11): the embedding's table again
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 11, (3, 5), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_i_then_w_equals_one_backward_over_microbatches(dtype):
+    plain, split = Mixed().to(dtype), Mixed().to(dtype)
+    parts = SplitBackward()
+    for mb, idx in enumerate(_batches(3)):
+        plain(idx).float().square().mean().backward()
+        with parts.recording(mb):
+            loss = split(idx).float().square().mean()
+        with parts.backward(mb, split=True):
+            loss.backward()
+        assert parts.pending(mb)
+    for mb in range(3):  # every I first, then the W's in the same order
+        parts.run(mb)
+        assert not parts.pending(mb)
+    for (name, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_w_holds_only_the_linear_weights_used_once():
+    model, parts = Mixed(), SplitBackward()
+    deferred = [model.a.weight, model.b.weight, model.c.weight, model.d.weight, model.e.weight]
+    with parts.recording(0):
+        loss = model(_batches(1)[0]).square().mean()
+    with parts.backward(0, split=True):
+        loss.backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == any(p is d for d in deferred), name
+    parts.run(0)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_never_keeps_a_weight_in_i_and_unsplit_backward_defers_nothing():
+    model = Mixed()
+    parts = SplitBackward(never={id(model.a.weight)})
+    with parts.recording(0):
+        loss = model(_batches(1)[0]).square().mean()
+    with parts.backward(0, split=True):
+        loss.backward()
+    assert model.a.weight.grad is not None and model.b.weight.grad is None
+    parts.run(0)
+    with parts.recording(1):
+        loss = model(_batches(1)[0]).square().mean()
+    with parts.backward(1, split=False):
+        loss.backward()
+    assert not parts.pending(1)
+
+
+def test_w_fires_accumulate_grad_hooks_with_the_gradient():
+    model, parts = Mixed(), SplitBackward()
+    fired = []
+    hook = lambda p: fired.append(None if p.grad is None else p.grad.clone())  # noqa: E731
+    model.a.weight.register_post_accumulate_grad_hook(hook)
+    with parts.recording(0):
+        loss = model(_batches(1)[0]).square().mean()
+    with parts.backward(0, split=True):
+        loss.backward()
+    assert all(g is None for g in fired)  # I adds nothing to the weight (autograd may call)
+    parts.run(0)
+    assert fired[-1] is not None and torch.equal(fired[-1], model.a.weight.grad)
+
+
+def test_without_grad_nothing_is_recorded():
+    model, parts = Mixed(), SplitBackward()
+    with parts.recording(0), torch.no_grad():
+        model(_batches(1)[0])
+    with parts.backward(0, split=True):
+        pass
+    assert not parts.pending(0)
