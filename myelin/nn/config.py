@@ -29,9 +29,10 @@ class LSHConfig:
     max_active: keep at most this many retrieved classes per batch (the most often
         retrieved), besides the batch's labels; None keeps all.
     rebuild_threshold: rehash every class once this share of (class, table) codes of a
-        random probe of classes has changed since the last build (the weights moved).
+        random probe of the classes active since the last build (the only rows that can
+        have moved) has changed since that build.
     check_every: training steps between those probes (a probe costs probe_rows hashes).
-    probe_rows: classes hashed by a probe.
+    probe_rows: most classes hashed by a probe.
     inference: default for eval-mode forward: "exact" (all logits) or "lsh" (only the
         retrieved classes of each sample; the rest -inf).
     seed: hash functions, bucket order, floor and probes all follow from it.

@@ -15,8 +15,12 @@ One training step (SLIDE, with Mongoose's batch-level engine):
    active set; loss = mean over rows of -sum over its labels of log p / |labels| (SLIDE's
    soft multi-label target);
 3. backward gives W and b sparse gradients: only the A active rows (LazyAdam steps them);
-4. every `check_every` steps a probe rehashes probe_rows random classes; once the share
-   of their codes that changed reaches rebuild_threshold, every class is rehashed.
+4. every `check_every` steps a probe rehashes up to probe_rows random classes among those
+   active since the last build (only they can have moved: a class's row changes only
+   when it is active); once the share of their codes that changed reaches
+   rebuild_threshold, every class is rehashed. (A probe of random classes of all C saw
+   mostly untouched rows, so it rebuilt late while the retrieved rows, the ones trained
+   each step, went stale.)
 
 In a myelin pipeline the labels reach the last stage through the loss function, not the
 module: with `loss_fn=head.loss`, a training forward without labels returns h unchanged
@@ -25,8 +29,9 @@ and `head.loss(h, labels)` does step 2; in eval mode forward returns logits and
 
 Memory per class (fp32, H = in_features, L = tables): weights and bias 4 (H + 1) bytes;
 LazyAdam 8 (H + 1) + 16 bytes (moments, per-row step counts of W and b); tables 20 L
-bytes (codes, sorted keys, ids); 9 bytes of per-step scratch (the class -> active
-position map and the active mask). At H = 128, L = 8: 516 + 1048 + 160 + 9, about 1.7 KB.
+bytes (codes, sorted keys, ids); 1 byte marking the classes active since the last build;
+9 bytes of per-step scratch (the class -> active position map and the active mask). At
+H = 128, L = 8: 516 + 1048 + 160 + 10, about 1.7 KB.
 Per step: A (H + 1) floats of gathered rows and B A of logits, A the active set's size.
 """
 
@@ -82,6 +87,8 @@ class LSHSoftmax(SeededModule):
         self.tables = LSHTables(self.hasher, num_classes, config.bucket_cap, config.seed)
         self._seed(config.seed + 2)  # the floor's and probes' generator, saved with the weights
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        # classes active in training since the last build: the only rows that can have moved
+        self.register_buffer("moved", torch.zeros(num_classes, dtype=torch.bool))
         self.active = torch.zeros(0, dtype=torch.long)
         # what happened in this process (not saved): rehashes, probes, last probe, set size
         self.stats = {"rebuilds": 0, "checks": 0, "last_change": 0.0, "last_active": 0}
@@ -98,6 +105,7 @@ class LSHSoftmax(SeededModule):
     def rebuild(self) -> None:
         """Rehash every class into the tables (after the weights were changed by hand)."""
         self.tables.build(self.weight)
+        self.moved.zero_()
         self.stats["rebuilds"] += 1
 
     # -- training ------------------------------------------------------------------
@@ -129,6 +137,7 @@ class LSHSoftmax(SeededModule):
             self.num_classes, labels, retrieved, c.min_active, c.max_active, self._gen
         )
         self.stats["last_active"] = active.numel()
+        self.moved[active] = True
         self.active = active  # the last training batch's active classes, for inspection
         where = torch.full((self.num_classes,), -1, dtype=torch.long, device=active.device)
         where[active] = torch.arange(active.numel(), device=active.device)
@@ -138,15 +147,17 @@ class LSHSoftmax(SeededModule):
         return soft_target_loss(logits, pos)
 
     def _maybe_rebuild(self) -> None:
-        """Count a training step; probe the weights' movement every check_every steps and
-        rehash everything when it passed the threshold."""
+        """Count a training step; every check_every steps probe how far the classes active
+        since the last build moved, and rehash everything when it passed the threshold."""
         self.steps += 1
         c = self.config
         if int(self.steps) % c.check_every:
             return
-        n = min(c.probe_rows, self.num_classes)
-        probe = torch.randperm(self.num_classes, generator=self._gen)[:n]
-        change = self.tables.changed_fraction(self.weight, probe.to(self.weight.device))
+        moved = self.moved.nonzero().squeeze(1)
+        change = 0.0
+        if moved.numel():
+            pick = torch.randperm(moved.numel(), generator=self._gen)[: c.probe_rows]
+            change = self.tables.changed_fraction(self.weight, moved[pick.to(moved.device)])
         self.stats["checks"] += 1
         self.stats["last_change"] = change
         if change >= c.rebuild_threshold:

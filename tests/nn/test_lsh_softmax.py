@@ -152,6 +152,30 @@ def test_rebuild_follows_weight_movement_not_the_clock():
     assert torch.equal(head.tables.codes, head.hasher(head.weight))
 
 
+def test_rows_that_training_moved_stay_retrievable_for_their_queries():
+    # a planted problem: of 20,000 classes only the 20 active ones move (onto their rows'
+    # queries), as a lazy optimizer moves only active rows. The probe must look at them:
+    # a probe of random classes of all C (2048 of 20,000) sees about 2 of the 20, measures
+    # almost no change, never rebuilds, and the tables keep missing the moved classes.
+    wide = 20_000
+    head = LSHSoftmax(
+        H, wide, bits=6, tables=4, bucket_cap=wide, min_hits=4, min_active=0, check_every=1
+    )
+    g = torch.Generator().manual_seed(5)
+    queries = torch.relu(torch.randn(20, H, generator=g))
+    labels = torch.arange(20)[:, None] * 997
+    head(queries, labels)  # the labels are active: trained this step
+    with torch.no_grad():
+        head.weight[labels[:, 0]] = queries  # ... and move onto their queries
+    head(queries, labels)  # the next step's probe sees them
+    assert head.stats["rebuilds"] == 2 and head.stats["last_change"] > 0.5
+    ids, row = head.tables.query(head.hasher(queries))
+    found = [bool(((ids == int(t)) & (row == i)).any()) for i, t in enumerate(labels[:, 0])]
+    assert all(found)
+    # a build starts the watch anew: only the step after it counts as moved
+    assert torch.equal(head.moved.nonzero().squeeze(1), head.active)
+
+
 def _train(head: LSHSoftmax, opt: LazyAdam, steps: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
