@@ -90,8 +90,10 @@ class LSHSoftmax(SeededModule):
         # classes active in training since the last build: the only rows that can have moved
         self.register_buffer("moved", torch.zeros(num_classes, dtype=torch.bool))
         self.active = torch.zeros(0, dtype=torch.long)
-        # what happened in this process (not saved): rehashes, probes, last probe, set size
+        # what happened in this process (not saved): rehashes, probes, last probe's change,
+        # the last active set's size and its labels, retrieved (not labels) and floor classes
         self.stats = {"rebuilds": 0, "checks": 0, "last_change": 0.0, "last_active": 0}
+        self.stats.update(last_labels=0, last_retrieved=0, last_floor=0)
         self.rebuild()
 
     def extra_repr(self) -> str:
@@ -133,10 +135,12 @@ class LSHSoftmax(SeededModule):
         if c.min_hits > 1:  # keep (row, class) pairs that enough of the row's tables return
             pair, hits = torch.unique(row * self.num_classes + retrieved, return_counts=True)
             retrieved = pair[hits >= c.min_hits] % self.num_classes
+        counts: dict[str, int] = {}
         active = active_set(
-            self.num_classes, labels, retrieved, c.min_active, c.max_active, self._gen
+            self.num_classes, labels, retrieved, c.min_active, c.max_active, self._gen, counts
         )
         self.stats["last_active"] = active.numel()
+        self.stats.update({f"last_{k}": v for k, v in counts.items()})
         self.moved[active] = True
         self.active = active  # the last training batch's active classes, for inspection
         where = torch.full((self.num_classes,), -1, dtype=torch.long, device=active.device)

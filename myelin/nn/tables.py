@@ -111,10 +111,12 @@ def active_set(
     min_active: int,
     max_active: int | None,
     generator: torch.Generator,
+    counts: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The batch's active classes, sorted: its labels, the retrieved ids (the most often
     retrieved `max_active` of them, labels kept, when there are more), and random classes
-    up to `min_active` when the union is smaller (the floor SLIDE pads to)."""
+    up to `min_active` when the union is smaller (the floor SLIDE pads to). `counts`, when
+    given, receives how many are "labels", "retrieved" (and not labels) and "floor"."""
     device = retrieved.device
     mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
     if max_active is not None and retrieved.numel() > max_active:
@@ -126,8 +128,12 @@ def active_set(
         mask[top[hits[top] >= 1]] = True
     else:
         mask[retrieved] = True
+    retrieved_only = int(mask.sum())
     if labels is not None:
-        mask[labels[labels >= 0]] = True
+        label_ids = labels[labels >= 0]
+        retrieved_only -= int(mask[label_ids.unique()].sum())  # retrieved labels count once
+        mask[label_ids] = True
+    core = int(mask.sum())
     floor = min(min_active, num_classes)
     if floor == num_classes:
         mask[:] = True
@@ -135,4 +141,6 @@ def active_set(
     while have < floor:  # a few rounds at most: each draws what is missing, with repeats
         mask[torch.randint(num_classes, (floor - have,), generator=generator).to(device)] = True
         have = int(mask.sum())
+    if counts is not None:
+        counts.update(labels=core - retrieved_only, retrieved=retrieved_only, floor=have - core)
     return mask.nonzero().squeeze(1)

@@ -119,6 +119,18 @@ def test_labels_are_always_active_even_past_max_active():
     active = set(head.active.tolist())
     assert set(labels[labels >= 0].tolist()) <= active
     assert len(active) <= 5 + int((labels >= 0).sum())
+    # the set's make-up: its labels, retrieved classes that are not labels, no floor
+    stats, n_labels = head.stats, len(set(labels[labels >= 0].tolist()))
+    assert (stats["last_labels"], stats["last_floor"]) == (n_labels, 0)
+    assert stats["last_retrieved"] == len(active) - n_labels == 5
+    # with a floor of 100: the rest are random classes
+    head = LSHSoftmax(H, C, bits=8, tables=1, min_active=100)
+    head(h, labels).backward()
+    stats = head.stats
+    ids, _ = head.tables.query(head.hasher(h))
+    found = set(ids.tolist()) - set(labels[labels >= 0].tolist())
+    assert (stats["last_labels"], stats["last_retrieved"]) == (n_labels, len(found))
+    assert stats["last_floor"] == 100 - n_labels - len(found) > 0
 
 
 def test_exact_inference_equals_a_dense_layer_and_lsh_inference_is_its_restriction():
