@@ -4,13 +4,17 @@
     python bench/slide.py --sizes 200k    # 200K labels, 2 epochs (~15 CPU-minutes)
 
 On myelin.nn.make_xc data (sparse features, power-law labels, correlated labels), the
-same network (bag of features -> 128 ReLU -> wide softmax, batch 128) trained three ways,
+same network (bag of features -> 128 ReLU -> wide softmax, batch 128) trained five ways,
 alternating epoch by epoch in one process: a full softmax in plain PyTorch (Adam on the
 head, SparseAdam on the input bag); a sampled softmax with uniform negatives at the LSH
-layer's mean candidate count (the batch's labels plus random classes, plain PyTorch with
-SparseAdam); and LSHSoftmax with LazyAdam. Per epoch: wall and CPU seconds of training,
-P@1 on the whole test set (exact inference for all), mean active classes; peak RSS at
-the end. Prints a table and writes bench/results/slide.json.
+layer's mean candidate count (the batch's labels plus random classes), with torch's
+SparseAdam ("uniform") and with LazyAdam ("uniform-lazy"); and LSHSoftmax with the same
+two optimizers ("lsh-sparse", "lsh"), so each candidate rule meets the other under one
+optimizer (their bias corrections differ: SparseAdam's global step count gives a rarely
+touched row up to 3x larger steps than LazyAdam's per-row count). Per epoch: wall and
+CPU seconds of training, P@1 on the whole test set (exact inference for all), mean
+active classes (for LSH: how many were labels, retrieved, random floor); peak RSS at the
+end. Prints a table and writes bench/results/slide.json.
 """
 
 from __future__ import annotations
@@ -102,11 +106,19 @@ def build(method: str, size: tuple, seed: int) -> dict[str, Any]:
         head = Uniform(labels, seed)
         opts = [LazyAdam([*body.parameters(), *head.parameters()], lr=1e-3)]
         loss = head.loss
+    elif method == "lsh-sparse":  # the uniform peer's optimizer, LSH candidates
+        head = LSHSoftmax(HIDDEN, labels, seed=seed, **lsh)
+        opts = [
+            torch.optim.SparseAdam([body.bag.weight, head.weight, head.bias], lr=1e-3),
+            torch.optim.Adam([body.bias], lr=1e-3),
+        ]
+        loss = head
     else:
         head = LSHSoftmax(HIDDEN, labels, seed=seed, **lsh)
         opts = [LazyAdam([*body.parameters(), *head.parameters()], lr=1e-3)]
         loss = head
-    return {"body": body, "head": head, "opts": opts, "loss": loss, "curve": [], "active": []}
+    run = {"body": body, "head": head, "opts": opts, "loss": loss, "curve": [], "active": []}
+    return run | {"parts": []}
 
 
 def train_epoch(run: dict[str, Any], split: Any, epoch: int) -> tuple[float, float, float]:
@@ -114,7 +126,7 @@ def train_epoch(run: dict[str, Any], split: Any, epoch: int) -> tuple[float, flo
     body, head = run["body"], run["head"]
     body.train()
     head.train()
-    actives = []
+    actives, parts = [], {"labels": 0, "retrieved": 0, "floor": 0}
     wall, cpu = time.perf_counter(), time.process_time()
     for b in split.batches(BATCH, seed=epoch):
         for o in run["opts"]:
@@ -124,9 +136,13 @@ def train_epoch(run: dict[str, Any], split: Any, epoch: int) -> tuple[float, flo
             o.step()
         if isinstance(head, LSHSoftmax):
             actives.append(head.stats["last_active"])
+            for k in parts:
+                parts[k] += head.stats[f"last_{k}"]
         elif isinstance(head, Uniform):
             actives.append(head.candidates)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if isinstance(head, LSHSoftmax):  # the mean make-up of the active sets this epoch
+        run["parts"].append({k: v / max(len(actives), 1) for k, v in parts.items()})
     return wall, cpu, (sum(actives) / len(actives) if actives else float(head_width(head)))
 
 
@@ -174,9 +190,11 @@ def run_size(name: str, methods: list[str], seed: int, epochs: int | None) -> di
             p1 = p_at_1(runs[m], data.test)
             runs[m]["curve"].append({"epoch": epoch + 1, "wall_s": wall, "cpu_s": cpu, "p1": p1})
             runs[m]["active"].append(active)
+            parts = runs[m]["parts"][-1] if runs[m]["parts"] else {}
             print(
-                f"  {m:8s} epoch {epoch + 1}: {wall:7.1f} s wall {cpu:7.1f} s cpu "
-                f"P@1 {p1:.3f} active {active:,.0f}",
+                f"  {m:12s} epoch {epoch + 1}: {wall:7.1f} s wall {cpu:7.1f} s cpu "
+                f"P@1 {p1:.3f} active {active:,.0f} "
+                + " ".join(f"{k} {v:,.0f}" for k, v in parts.items()),
                 flush=True,
             )
     out = {
@@ -195,8 +213,9 @@ def run_size(name: str, methods: list[str], seed: int, epochs: int | None) -> di
             "mean_active": sum(r["active"]) / len(r["active"]),
             "state_mib": state_bytes(r) / 2**20,
         }
-        if m == "lsh":
+        if m.startswith("lsh"):
             out["methods"][m]["stats"] = dict(r["head"].stats)
+            out["methods"][m]["make_up"] = r["parts"]
     return out
 
 
@@ -256,7 +275,7 @@ def report(results: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="20k,200k", help="comma list of " + ", ".join(SIZES))
-    ap.add_argument("--methods", default="lsh,uniform,uniform-lazy,full")
+    ap.add_argument("--methods", default="lsh,lsh-sparse,uniform,uniform-lazy,full")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=None, help="override every size's epochs")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/slide.json)")
