@@ -46,7 +46,7 @@ from torch import nn
 
 from myelin.errors import ConfigError
 from myelin.nn.config import INFERENCE, LSHConfig
-from myelin.nn.hashing import Hasher
+from myelin.nn.hashing import Hasher, stream_seed
 from myelin.nn.tables import LSHTables, SeededModule, active_set
 
 __all__ = ["LSHSoftmax", "soft_target_loss", "sparse_rows"]
@@ -77,7 +77,7 @@ class LSHSoftmax(SeededModule):
         self.config, self.in_features, self.num_classes = config, in_features, num_classes
         self.weight = nn.Parameter(torch.empty(num_classes, in_features))
         self.bias = nn.Parameter(torch.zeros(num_classes))
-        g = torch.Generator().manual_seed(config.seed)
+        g = torch.Generator().manual_seed(stream_seed(config.seed, "weight"))
         bound = 1 / math.sqrt(in_features)
         with torch.no_grad():
             self.weight.uniform_(-bound, bound, generator=g)
@@ -85,7 +85,7 @@ class LSHSoftmax(SeededModule):
             config.family, in_features, config.bits, config.tables, config.bin_size, config.seed
         )
         self.tables = LSHTables(self.hasher, num_classes, config.bucket_cap, config.seed)
-        self._seed(config.seed + 2)  # the floor's and probes' generator, saved with the weights
+        self._seed(stream_seed(config.seed, "floor"))  # the floor's and probes' generator
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         # classes active in training since the last build: the only rows that can have moved
         self.register_buffer("moved", torch.zeros(num_classes, dtype=torch.bool))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin.nn.hashing import Hasher
+from myelin.nn.hashing import Hasher, stream_seed
 
 __all__ = ["LSHTables", "active_set", "ranges"]
 
@@ -53,7 +53,7 @@ class LSHTables(SeededModule):
         self.register_buffer("keys", torch.zeros(n, dtype=torch.long))
         self.register_buffer("ids", torch.zeros(n, dtype=torch.int32))
         self.register_buffer("builds", torch.zeros((), dtype=torch.long))
-        self._seed(seed + 1)  # the bucket order's generator
+        self._seed(stream_seed(seed, "buckets"))  # the bucket order's generator
 
     def _table_base(self) -> torch.Tensor:
         """(L,) the key offset of each table: table l's keys are l * 2**code_bits + code."""

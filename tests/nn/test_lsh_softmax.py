@@ -261,3 +261,29 @@ def test_bad_sizes_and_labels_are_rejected():
         head(torch.randn(2, H), torch.tensor([1, C]))
     with pytest.raises(ConfigError, match="inference"):
         head.eval()(torch.randn(2, H), inference="fast")
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    n = min(a.numel(), b.numel())
+    return float(torch.corrcoef(torch.stack([a.flatten()[:n], b.flatten()[:n]]))[0, 1])
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_layers_random_draws_are_not_torchs_global_stream_for_the_same_seed(seed):
+    # torch.manual_seed(s) then a model whose embeddings come first, and LSHSoftmax(seed=s):
+    # the layer drew from Generator().manual_seed(s), the same numbers, so its SimHash
+    # projections equalled the embedding's first rows (correlation 1.0) and its initial
+    # weights were correlated with them (-0.35): hashes and init were tied to the model.
+    torch.manual_seed(seed)
+    embedding = nn.Embedding(C, H).weight.detach()
+    torch.manual_seed(seed)
+    linear = torch.empty(C, H).uniform_(-1, 1)
+    head = LSHSoftmax(H, C, seed=seed, bits=8, tables=8)
+    for drawn in (embedding, linear):
+        assert abs(_corr(head.hasher.projection.t(), drawn)) < 0.1
+        assert abs(_corr(head.hasher.projection, drawn)) < 0.1
+        assert abs(_corr(head.weight.detach(), drawn)) < 0.1
+    # still a function of the seed alone
+    again = LSHSoftmax(H, C, seed=seed, bits=8, tables=8)
+    assert torch.equal(again.weight, head.weight)
+    assert torch.equal(again.hasher.projection, head.hasher.projection)
