@@ -1,7 +1,7 @@
 """CPU+GPU Hogbatch and Adaptive Hogbatch against the device alone and synchronous DP.
 
     python3 bench/hogbatch.py                       # emulated 20x asymmetry (~14 minutes)
-    python3 bench/hogbatch.py --quick               # fewer rows and epochs (~3 minutes)
+    python3 bench/hogbatch.py --quick               # fewer rows and epochs (time not measured)
     python3 bench/hogbatch.py --device cuda --real  # on a GPU: real speeds (no emulation)
 
 Data: a synthetic set shaped like covtype (54 features, 7 classes, labelled by a random
