@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hogbatch import CPU_COST, DEVICE_COST, covtype_like, mlp  # noqa: E402
+from hogbatch import time_to as bench_time_to  # noqa: E402
 
 from myelin.replicas.hogbatch_dispatch import Dispatcher  # noqa: E402
 from myelin.replicas.hogbatch_rule import Controller  # noqa: E402
@@ -106,15 +107,10 @@ def sync_dp(m: Model, *, batch: int, workers: int, lr: float, seconds: float) ->
 
 
 def time_to(evals: Evals, target: float) -> float | None:
-    """Seconds when the loss first reaches `target`, interpolated between evals."""
-    prev = (0.0, float("inf"))
-    for t, loss in evals:
-        if loss <= target:
-            if prev[1] == float("inf"):
-                return t
-            return prev[0] + (prev[1] - target) / (prev[1] - loss) * (t - prev[0])
-        prev = (t, loss)
-    return None
+    """Seconds when the loss first reaches `target`, interpolated between evals (the
+    bench's own rule, over (seconds, loss) pairs)."""
+    rows = [{"wall_s": t, "loss": loss, "epoch": i} for i, (t, loss) in enumerate(evals)]
+    return bench_time_to(rows, target)[0]
 
 
 def main() -> None:
