@@ -133,11 +133,11 @@ def active_set(
         label_ids = labels[labels >= 0]
         retrieved_only -= int(mask[label_ids.unique()].sum())  # retrieved labels count once
         mask[label_ids] = True
-    core = int(mask.sum())
+    have = core = int(mask.sum())
     floor = min(min_active, num_classes)
     if floor == num_classes:
         mask[:] = True
-    have = int(mask.sum())
+        have = num_classes
     while have < floor:  # a few rounds at most: each draws what is missing, with repeats
         mask[torch.randint(num_classes, (floor - have,), generator=generator).to(device)] = True
         have = int(mask.sum())
