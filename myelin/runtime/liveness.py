@@ -237,6 +237,8 @@ class Liveness:
             beat["failed"] = f"{type(failed).__name__}: {failed}"[:300]
             beat["stopped"] = self.stopped
             beat["told"] = self.failed is not None  # the trainer sent its peers an abort
+            if isinstance(failed, PeerLostError):  # so peers relay the loss, not a failure
+                beat["lost"], beat["lost_doing"] = failed.rank, failed.doing[:200]
         bye = msgpack.packb(beat)
         for peer in self._peers.values():
             try:
@@ -303,8 +305,14 @@ class Liveness:
                 peer.left = True
                 peer.counts = _counts(beat.get("counts"))
                 failed = beat.get("failed")
+                lost = beat.get("lost")
                 if isinstance(failed, str) and self.lost is None and beat.get("told") is True:
-                    self.lost = RemoteError(peer.rank, failed)  # as its abort said
+                    if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= 0:
+                        doing = str(beat.get("lost_doing", "unknown"))
+                        told = f"rank {peer.rank} reports: {failed}"
+                        self.lost = PeerLostError(lost, doing, told)
+                    else:
+                        self.lost = RemoteError(peer.rank, failed)
                     self.flight.note("rank %d failed: %s", peer.rank, failed)
                 elif isinstance(failed, str) and self.lost is None:
                     quiet = beat.get("stopped") is True or self.stopped
@@ -387,7 +395,7 @@ def _counts(value: Any) -> tuple[int, int]:
 def _decode_beat(raw: bytes) -> dict | None:
     """A heartbeat as {rank: int, doing: str[, bye: True]}, or None if it is anything else."""
     try:
-        beat = msgpack.unpackb(raw, raw=False, max_str_len=512, max_map_len=8, strict_map_key=True)
+        beat = msgpack.unpackb(raw, raw=False, max_str_len=512, max_map_len=12, strict_map_key=True)
     except Exception:
         return None
     if not isinstance(beat, dict) or type(beat.get("rank")) is not int:

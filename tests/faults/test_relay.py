@@ -1,0 +1,86 @@
+"""A rank that failed because it lost a peer tells the others which peer: they raise
+PeerLostError naming the lost rank, not a RemoteError about the teller (three ranks in one
+process, heartbeats over real sockets)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from myelin.errors import PeerLostError, RemoteError
+from myelin.runtime.flight import FlightRecorder
+from myelin.runtime.liveness import Liveness
+from myelin.runtime.transport import Transport
+
+
+def _ranks(world: int) -> tuple[list[Transport], list[Liveness]]:
+    store = dist.HashStore()
+    transports = [Transport(r, world, store, prefix="relay") for r in range(world)]
+    lives: list[Liveness | None] = [None] * world
+
+    def make(r: int) -> None:
+        lives[r] = Liveness(
+            r,
+            world,
+            lambda k: f"stage 0, replica {k}",
+            store,
+            transports[r],
+            FlightRecorder(r),
+            heartbeat_s=0.05,
+            peer_timeout_s=30.0,
+            exit_after_loss_s=None,
+            connect_timeout_s=10.0,
+            prefix="relay",
+        )
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert all(live is not None for live in lives)
+    return transports, lives  # type: ignore[return-value]
+
+
+def _close(transports, lives) -> None:
+    for live in lives:
+        live.close()
+    for t in transports:
+        t.close()
+
+
+def _told(live: Liveness) -> Exception:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            live.check()
+        except Exception as e:  # noqa: BLE001 - the error under test
+            return e
+        time.sleep(0.02)
+    raise AssertionError("rank 0 was never told")
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_goodbye_after_a_peer_loss_is_relayed_as_that_loss(lost):
+    transports, lives = _ranks(3)
+    try:
+        if lost:
+            why = "rank 2 lost rank 1 (stage 0, replica 1)"
+            cause = PeerLostError(1, "reducing gradients", why)
+        else:
+            cause = ValueError("a bad batch")
+        lives[2].failed = cause
+        lives[2].close()
+        error = _told(lives[0])
+        if lost:
+            assert type(error) is PeerLostError and error.rank == 1, error
+            assert error.doing == "reducing gradients"
+            assert "rank 2 reports: PeerLostError: rank 2 lost rank 1" in str(error)
+        else:
+            assert type(error) is RemoteError and error.rank == 2, error
+            assert "ValueError: a bad batch" in str(error)
+    finally:
+        _close(transports, lives)
