@@ -54,6 +54,7 @@ import _harness  # noqa: E402
 
 import myelin  # noqa: E402
 from myelin.replicas.hogbatch_dispatch import Dispatcher  # noqa: E402
+from myelin.replicas.hogbatch_worker import due_time  # noqa: E402
 
 DEVICE_COST = (0.010, 0.0001)  # s per update, s per sample: 10k samples/s at full efficiency
 CPU_COST = (0.004, 0.002)  # 500 samples/s per worker: 20x slower per sample
@@ -94,7 +95,7 @@ def run_hogbatch(args: Any, data: tuple, name: str, epochs: int = 0, **kw: Any) 
         return budget_s is not None and wall_s >= budget_s
 
     rep = cfg.fit(model, opt, torch.nn.CrossEntropyLoss(), data, epochs=epochs,
-                  on_epoch=on_epoch)  # fmt: skip
+                  on_epoch=on_epoch, eval_every_s=args.eval_every_s)  # fmt: skip
     rep.pop("state")
     rep["name"], rep["total_s"] = name, time.perf_counter() - t
     print(f"  {name}: {rep['wall_s']:.1f}s, last loss {rep['evals'][-1]['loss']:.4f}", flush=True)
@@ -103,7 +104,9 @@ def run_hogbatch(args: Any, data: tuple, name: str, epochs: int = 0, **kw: Any) 
 
 def run_sync(args: Any, data: tuple, batch: int, workers: int, target: float) -> dict[str, Any]:
     """Synchronous DP with equal batches, emulated in one process (see the docstring);
-    stops at the epoch that reaches `target`."""
+    stops once an evaluation reaches `target`. Its rounds are paced as the Hogbatch
+    workers' emulated updates are (due_time); its evaluations (each epoch's end and every
+    `--eval-every-s`) stop its clock, as theirs run off the training path."""
     model = mlp(args.depth, args.width)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -111,7 +114,19 @@ def run_sync(args: Any, data: tuple, batch: int, workers: int, target: float) ->
     costs = [DEVICE_COST] + [CPU_COST] * (workers - 1)
     round_s = max(o + s * batch for o, s in costs)
     epochs = args.epochs * 4  # as many as fit in the time budget
-    disp, evals, t0 = Dispatcher(len(x), epochs, 0), [], time.perf_counter()
+    disp, evals, timed = Dispatcher(len(x), epochs, 0), [], []
+    t0, due, seen, every = time.perf_counter(), None, 0, args.eval_every_s
+    next_eval = every or float("inf")
+
+    def evaluate(rows: list, **at: Any) -> None:
+        nonlocal t0, due
+        t = time.perf_counter()
+        with torch.no_grad():
+            loss = float(loss_fn(model(x), y))
+        rows.append({**at, "wall_s": t - t0, "epochs": seen / len(x), "loss": loss})
+        paused = time.perf_counter() - t
+        t0, due = t0 + paused, None if due is None else due + paused
+
     for epoch in range(epochs):
         if evals and evals[-1]["wall_s"] >= args.budget_s:
             break
@@ -122,30 +137,36 @@ def run_sync(args: Any, data: tuple, batch: int, workers: int, target: float) ->
             opt.zero_grad()
             loss_fn(model(x[idx]), y[idx]).backward()
             opt.step()
-            left = round_s - (time.perf_counter() - t)
+            seen += len(idx)
+            due = due_time(due, t, round_s)
+            left = due - time.perf_counter()
             if left > 0:
                 time.sleep(left)
-        wall = time.perf_counter() - t0
-        with torch.no_grad():
-            evals.append({"epoch": epoch, "wall_s": wall, "loss": float(loss_fn(model(x), y))})
-        if evals[-1]["loss"] <= target:
+            if time.perf_counter() - t0 >= next_eval:
+                evaluate(timed)
+                next_eval += every
+        evaluate(evals, epoch=epoch)
+        if min(e["loss"] for e in evals + timed) <= target:
             break
     name = f"sync DP ({workers} x {batch})"
     print(f"  {name}: {evals[-1]['wall_s']:.1f}s, last loss {evals[-1]['loss']:.4f}", flush=True)
-    return {"name": name, "wall_s": evals[-1]["wall_s"], "evals": evals, "workers": []}
+    return {"name": name, "wall_s": evals[-1]["wall_s"], "evals": evals, "evals_timed": timed,
+            "workers": []}  # fmt: skip
 
 
 def time_to(evals: list[dict[str, float]], target: float) -> tuple[float | None, float | None]:
-    """(seconds, epochs) when the loss first reaches `target`, interpolated between evals."""
-    prev = {"wall_s": 0.0, "loss": float("inf"), "epoch": -1}
-    for e in evals:
+    """(seconds, epochs) when the loss first reaches `target`, interpolated between evals
+    (in time order; `epochs`: epochs' worth of samples trained, else `epoch` + 1)."""
+    prev = {"wall_s": 0.0, "loss": float("inf"), "epochs": 0.0}
+    for e in sorted(evals, key=lambda e: e["wall_s"]):
+        n = e.get("epochs", e.get("epoch", -1) + 1.0)
         if e["loss"] <= target:
             if prev["loss"] == float("inf"):
-                return e["wall_s"], e["epoch"] + 1.0
+                return e["wall_s"], n
             f = (prev["loss"] - target) / (prev["loss"] - e["loss"])
             return (prev["wall_s"] + f * (e["wall_s"] - prev["wall_s"]),
-                    prev["epoch"] + 1 + f)  # fmt: skip
-        prev = e
+                    prev["epochs"] + f * (n - prev["epochs"]))  # fmt: skip
+        prev = {"wall_s": e["wall_s"], "loss": e["loss"], "epochs": n}
     return None, None
 
 
@@ -172,6 +193,8 @@ def main() -> None:
     p.add_argument("--cpu-lr-scale", type=float, default=0.25, help="CPU lr / device lr")
     p.add_argument("--device", default="cpu")
     p.add_argument("--real", action="store_true", help="no emulated costs")
+    p.add_argument("--eval-every-s", type=float, default=1.0,
+                   help="also evaluate every so many seconds (every configuration)")  # fmt: skip
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -207,7 +230,7 @@ def main() -> None:
                                  ratio=args.ratio, cpu_lr_scale=args.cpu_lr_scale))  # fmt: skip
     rows = []
     for r in runs:
-        t, ep = time_to(r["evals"], target)
+        t, ep = time_to(r["evals"] + r.get("evals_timed", []), target)
         r["time_to_target_s"], r["epochs_to_target"] = t, ep
         w = r["workers"]
         rows.append([

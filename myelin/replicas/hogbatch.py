@@ -46,7 +46,8 @@ class Hogbatch:
     and adds (replayable runs); on_worker_loss: "raise"
     (PeerLostError) or "reassign" (its range goes to the others); timeout_s: the longest any
     wait lasts (a worker's start or batch); emulate: declared (seconds per update, seconds
-    per sample) of (device, CPU) workers, each update padded to at least that long (None:
+    per sample) of (device, CPU) workers, each update lasting that long on a schedule (one
+    that ends late is made up on the next, up to its cost; hogbatch_worker.due_time) (None:
     real speed); record: a directory where each worker writes every update it made (replay).
     """
 
@@ -142,6 +143,7 @@ class Hogbatch:
         eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
         resume: dict[str, Any] | None = None,
         on_epoch: Any = None,
+        eval_every_s: float | None = None,
     ) -> dict[str, Any]:
         """Train `model` on `data` (inputs, targets) for `epochs`; the run's report.
 
@@ -150,8 +152,11 @@ class Hogbatch:
         update share, staleness and busy fraction per worker and the device batch over time,
         and `state` (weights and controller) that `resume=` continues from. `on_epoch(epoch,
         wall_s)` is called in the runner as each epoch completes (progress, tests, a time
-        budget); if it returns True the run stops there (steps in flight still land). Workers
-        are spawned: a script calling this needs `if __name__ == "__main__":`."""
+        budget); if it returns True the run stops there (steps in flight still land).
+        `eval_every_s`: also evaluate a copy every so many seconds, off the training path too
+        (report `evals_timed`: wall seconds, epochs' worth of samples, loss), so time to a
+        loss is read finer than once an epoch. Workers are spawned: a script calling this
+        needs `if __name__ == "__main__":`."""
         from myelin.replicas.hogbatch_run import Run  # the runner imports these settings
 
         lr, wd = check_optimizer(optimizer)
@@ -159,8 +164,12 @@ class Hogbatch:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:
             raise ConfigError("Hogbatch.fit(data=...): must be (inputs, targets) of equal length")
+        if eval_every_s is not None and (not _number(eval_every_s) or eval_every_s <= 0):
+            raise ConfigError(
+                f"Hogbatch.fit(eval_every_s={eval_every_s!r}): must be None or a number > 0"
+            )
         live = Run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
-                   eval_data=eval_data, resume=resume)  # fmt: skip
+                   eval_data=eval_data, resume=resume, eval_every_s=eval_every_s)  # fmt: skip
         return live.train(on_epoch)
 
 

@@ -3,10 +3,11 @@
 Order of events: the model's trainable parameters become one shared fp32 segment
 (hogbatch_store); worker 0 (the device) and workers 1..N (CPU) are spawned with it and the
 dataset (shared memory too; their environment loses the rendezvous variables, as the hub's
-does); each says `ready`. Then, until every epoch is done: every worker holds AHEAD ranges
-(the device's batch from the adaptive rule, a CPU worker's `cpu_batch`), each `done`
-feeds the rule and the counters, and each completed epoch's weights are copied and
-evaluated in a thread, off the training path. A worker that dies is a PeerLostError or has
+does); each says `ready`. Then, until every epoch is done: the device holds AHEAD ranges
+(its batch from the adaptive rule) and each CPU worker CPU_AHEAD (`cpu_batch`), each `done`
+feeds the rule and the counters, and each completed epoch's weights (and, with
+`eval_every_s`, the weights every so many seconds) are copied and evaluated in a thread,
+off the training path. A worker that dies is a PeerLostError or has
 its range reassigned (`on_worker_loss`); a worker silent past `timeout_s` is a
 DeadlineError. Whatever happens, every worker is stopped, then killed, before returning.
 """
@@ -14,6 +15,7 @@ DeadlineError. Whatever happens, every worker is stopped, then killed, before re
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import time
@@ -35,13 +37,17 @@ from myelin.replicas.hogbatch_worker import pack, unpack
 if TYPE_CHECKING:
     from myelin.replicas.hogbatch import Hogbatch
 
-__all__ = ["AHEAD", "Run", "params_of"]
+__all__ = ["AHEAD", "CPU_AHEAD", "Run", "params_of"]
 
 # Ranges a worker holds at once: the one it trains and the next, already in its pipe, so
 # it never waits a round trip through the runner between updates (in real mode, tiny CPU
 # batches spent more time on that wait than on their gradient). The queued range's batch
 # is the rule's choice when it was sent, one device batch behind its latest.
 AHEAD = 2
+# A CPU worker holds more: its batch never changes, and its updates are short, so a runner
+# late by a few of them (18 processes on 2 cores: p99 20 ms against 12 ms updates in the
+# emulated bench) would otherwise leave it waiting.
+CPU_AHEAD = 4
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -64,6 +70,7 @@ class Run:
         epochs: int,
         eval_data: tuple[torch.Tensor, torch.Tensor] | None,
         resume: dict[str, Any] | None,
+        eval_every_s: float | None = None,
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ctx = mp.get_context("spawn")
@@ -85,14 +92,14 @@ class Run:
                     "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
                     "emulate": cfg.emulate or (None, None)}  # fmt: skip
         disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch)
-        self.runner = _Run(cfg, self.ctl, self.store, disp)
+        self.runner = _Run(cfg, self.ctl, self.store, disp, eval_every_s)
         eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
         self.evaluator = _Evaluator(eval_model, loss_fn, eval_data or self.data,
                                     params_of(eval_model))  # fmt: skip
 
     def train(self, on_epoch: Any = None) -> dict[str, Any]:
         """Start the workers, train every epoch, stop them; the model given holds the
-        shared weights after; the report (with `evals` and `state`)."""
+        shared weights after; the report (with `evals`, `evals_timed` and `state`)."""
         try:
             self.runner.start(self.ctx, self.job, self.data)
             self.runner.drive(self.evaluator, on_epoch)
@@ -103,6 +110,7 @@ class Run:
         self.store.load_into(self.params)
         report = self.runner.report()
         report["evals"] = self.evaluator.results()
+        report["evals_timed"] = self.evaluator.timed_results()
         report["state"] = self.state()
         return report
 
@@ -133,11 +141,17 @@ class _Evaluator:
     def __init__(self, model: torch.nn.Module, loss_fn: Any, data: tuple, params: list) -> None:
         self.model, self.loss_fn, self.data, self.params = model, loss_fn, data, params
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hogbatch-eval")
-        self.futures: list[tuple[int, float, Any]] = []
+        self.futures: list[tuple[int, float, float, Any]] = []
+        self.timed: list[tuple[float, float, Any]] = []
 
-    def submit(self, epoch: int, wall_s: float, weights: torch.Tensor) -> None:
-        """Evaluate `weights` (a private copy) as of `wall_s` seconds into training."""
-        self.futures.append((epoch, wall_s, self.pool.submit(self._loss, weights)))
+    def submit(self, epoch: int, wall_s: float, weights: torch.Tensor, seen: float = 0.0) -> None:
+        """Evaluate `weights` (a private copy) as of `wall_s` seconds into training, when
+        epoch `epoch` completed, `seen` epochs' worth of samples in."""
+        self.futures.append((epoch, wall_s, seen, self.pool.submit(self._loss, weights)))
+
+    def submit_timed(self, epochs: float, wall_s: float, weights: torch.Tensor) -> None:
+        """The same for a copy taken on the clock, `epochs` epochs' worth of samples in."""
+        self.timed.append((epochs, wall_s, self.pool.submit(self._loss, weights)))
 
     def _loss(self, weights: torch.Tensor) -> float:
         load_flat(self.params, weights)
@@ -149,13 +163,19 @@ class _Evaluator:
         return total / n
 
     def results(self) -> list[dict[str, float]]:
-        """Each epoch's loss, in epoch order: epoch, wall seconds at the copy, loss."""
-        return [{"epoch": e, "wall_s": w, "loss": f.result()} for e, w, f in self.futures]
+        """Each epoch's loss, in the order epochs completed: epoch, wall seconds at the copy,
+        epochs' worth of samples trained by then, loss."""
+        return [{"epoch": e, "wall_s": w, "epochs": n, "loss": f.result()}
+                for e, w, n, f in self.futures]  # fmt: skip
+
+    def timed_results(self) -> list[dict[str, float]]:
+        """The copies taken on the clock: wall seconds, epochs' worth of samples, loss."""
+        return [{"wall_s": w, "epochs": e, "loss": f.result()} for e, w, f in self.timed]
 
     def finished(self, start: int) -> list[dict[str, float]]:
         """The results from the `start`-th on whose evaluation is over, in order; no wait."""
         out = []
-        for e, w, f in self.futures[start:]:
+        for e, w, _, f in self.futures[start:]:
             if not f.done():
                 break
             out.append({"epoch": e, "wall_s": w, "loss": f.result()})
@@ -169,8 +189,10 @@ class _Evaluator:
 class _Run:
     """The workers of one run and what they have done."""
 
-    def __init__(self, cfg: Hogbatch, ctl: Controller, store: SharedModel, disp: Dispatcher):
+    def __init__(self, cfg: Hogbatch, ctl: Controller, store: SharedModel, disp: Dispatcher,
+                 eval_every_s: float | None = None) -> None:  # fmt: skip
         self.cfg, self.ctl, self.store, self.disp = cfg, ctl, store, disp
+        self.eval_every_s = eval_every_s
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.alive: set[int] = set()
@@ -215,19 +237,32 @@ class _Run:
         self.t0 = time.perf_counter()
 
     def drive(self, evaluator: _Evaluator, on_epoch: Any = None) -> None:
-        """Hand out ranges until every epoch is done; evaluate each completed epoch."""
+        """Hand out ranges until every epoch is done; evaluate each completed epoch (and a
+        copy every `eval_every_s` seconds)."""
         self.batches.append((0.0, self.ctl.batch))
         self._assign()
+        heard = time.monotonic()  # when a worker last answered
+        next_eval = self.eval_every_s  # wall seconds of the next copy taken on the clock
         while not self.disp.all_done():
             watch = [self.conns[w] for w in self.alive] + [
                 self.procs[w].sentinel for w in self.alive
             ]
-            ready = wait(watch, timeout=self.cfg.timeout_s)
+            timeout = self.cfg.timeout_s - (time.monotonic() - heard)
+            if next_eval is not None:
+                timeout = min(timeout, next_eval - (time.perf_counter() - self.t0))
+            ready = wait(watch, timeout=max(timeout, 0))
+            if next_eval is not None and time.perf_counter() - self.t0 >= next_eval:
+                wall = time.perf_counter() - self.t0
+                evaluator.submit_timed(self._seen(), wall, self.store.snapshot())
+                next_eval = (math.floor(wall / self.eval_every_s) + 1) * self.eval_every_s
             if not ready:
+                if time.monotonic() - heard < self.cfg.timeout_s:
+                    continue  # woken for a copy on the clock
                 late = {w: [str(r) for r in q] for w, q in self.busy.items() if q}
                 raise DeadlineError(
                     f"Hogbatch: no worker answered for {self.cfg.timeout_s}s; busy: {late}"
                 )
+            heard = time.monotonic()
             for w in sorted(self.alive):
                 conn = self.conns[w]
                 try:
@@ -255,7 +290,7 @@ class _Run:
     def _assign(self) -> None:
         for w in sorted(self.alive):
             queue = self.busy.setdefault(w, deque())
-            while len(queue) < AHEAD:
+            while len(queue) < (AHEAD if w == 0 else CPU_AHEAD):
                 batch = self.ctl.batch if w == 0 else self.cfg.cpu_batch
                 r = self.disp.take(w, batch)
                 if r is None:
@@ -278,7 +313,12 @@ class _Run:
         if self.ctl.batch != before:
             self.batches.append((time.perf_counter() - self.t0, self.ctl.batch))
         if self.disp.done(w, r):
-            evaluator.submit(r.epoch, time.perf_counter() - self.t0, self.store.snapshot())
+            wall = time.perf_counter() - self.t0
+            evaluator.submit(r.epoch, wall, self.store.snapshot(), self._seen())
+
+    def _seen(self) -> float:
+        """Epochs' worth of samples trained so far in this run."""
+        return sum(s["samples"] for s in self.stats) / self.disp.samples
 
     def _check(self, w: int, msg: dict[str, Any], want: str) -> None:
         if msg["op"] == "error":

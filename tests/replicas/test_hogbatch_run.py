@@ -21,6 +21,7 @@ import torch
 import myelin
 from myelin.errors import ConfigError, PeerLostError
 from myelin.replicas.hogbatch_dispatch import Dispatcher
+from myelin.replicas.hogbatch_store import load_flat
 from tests.replicas._problem import problem
 
 
@@ -126,8 +127,9 @@ def test_slow_device_plus_cpu_updates_is_w0_minus_the_sum_of_all_steps(tmp_path)
 
 
 def test_workers_keep_training_their_next_range_while_the_runner_is_busy(tmp_path):
-    """Each worker holds its next range already (hogbatch_run.AHEAD): while the runner
-    is held up (here: 2 s in on_epoch), a worker trains on instead of waiting for it."""
+    """Each worker holds its next ranges already (hogbatch_run.AHEAD for the device,
+    CPU_AHEAD for a CPU worker): while the runner is held up (here: 2 s in on_epoch), a
+    worker trains on instead of waiting for it."""
     model, data, _ = problem()
     cfg = myelin.Hogbatch(cpu_workers=1, cpu_batch=64, device_batch=(64, 64), lock=True,
                           record=str(tmp_path), emulate=((0.2, 0.0), (0.2, 0.0)),
@@ -143,8 +145,52 @@ def test_workers_keep_training_their_next_range_while_the_runner_is_busy(tmp_pat
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=2, on_epoch=on_epoch)
     during = [r for r in load_records(tmp_path) if held[0] < r["at"] < held[1]]
-    # one range in hand each (the old runner) would allow 2 updates in the 2 s; 4 can land
-    assert len(during) >= 3, [(r["worker"], r["at"] - held[0]) for r in during]
+    # one range in hand each (the first runner) allowed 2 updates in the 2 s, two each 4;
+    # the device's 2 and the CPU worker's 4 (0.8 s of work) allow 6
+    assert len(during) >= 5, [(r["worker"], r["at"] - held[0]) for r in during]
+    assert sum(r["worker"] == 1 for r in during) >= 3
+
+
+def test_copies_on_the_clock_are_the_shared_weights_of_that_moment(tmp_path):
+    """eval_every_s: a copy every 0.1 s, off the training path; each copy's loss is the
+    loss of w0 minus the steps made by then (the k counted by the runner, or one more
+    that landed before its `done` was read)."""
+    model, data, _ = problem()
+    w0 = flat(model).clone()
+    cfg = myelin.Hogbatch(cpu_workers=0, device_batch=(64, 64), lock=True,
+                          record=str(tmp_path), emulate=((0.05, 0.0), (0.0, 0.0)),
+                          timeout_s=100)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=2, eval_every_s=0.1)
+    recs = load_records(tmp_path)
+    assert len(recs) == 16
+    losses, w = [], w0.clone()
+    probe = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    for r in [None, *recs]:
+        if r is not None:
+            w.add_(r["step"], alpha=-r["lr"])
+        load_flat(list(probe.parameters()), w)
+        with torch.no_grad():
+            losses.append(float(torch.nn.MSELoss()(probe(data[0]), data[1])))
+    timed = rep["evals_timed"]
+    assert len(timed) >= 4, timed  # 16 updates of 50 ms: about 8
+    walls = [e["wall_s"] for e in timed]
+    assert walls == sorted(walls) and all(b - a > 0.05 for a, b in zip(walls, walls[1:]))
+    for e in timed:
+        k = round(e["epochs"] * 512 / 64)
+        assert e["epochs"] * 512 == 64 * k and 0 <= k <= 16
+        near = losses[k : k + 2]
+        assert min(abs(e["loss"] - v) for v in near) <= 1e-6 * max(near), (e, near)
+    # the epochs' own copies are still there, with epochs' worth of samples
+    assert [e["epoch"] for e in rep["evals"]] == [0, 1]
+    assert [e["epochs"] for e in rep["evals"]][-1] == 2.0
+
+
+def test_eval_every_s_must_be_positive():
+    model, data, _ = problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    with pytest.raises(ConfigError, match=r"eval_every_s=0"):
+        myelin.Hogbatch().fit(model, opt, torch.nn.MSELoss(), data, eval_every_s=0)
 
 
 def _kill(name: str, killed: dict) -> None:
