@@ -39,14 +39,16 @@ if TYPE_CHECKING:
 
 __all__ = ["AHEAD", "CPU_AHEAD", "Run", "params_of"]
 
-# Ranges a worker holds at once: the one it trains and the next, already in its pipe, so
-# it never waits a round trip through the runner between updates (in real mode, tiny CPU
-# batches spent more time on that wait than on their gradient). The queued range's batch
-# is the rule's choice when it was sent, one device batch behind its latest.
-AHEAD = 2
-# A CPU worker holds more: its batch never changes, and its updates are short, so a runner
-# late by a few of them (18 processes on 2 cores: p99 20 ms against 12 ms updates in the
-# emulated bench) would otherwise leave it waiting.
+# Ranges a worker holds at once: the one it trains and the next ones, already in its pipe,
+# so it never waits a round trip through the runner between updates (in real mode, tiny
+# CPU batches spent more time on that wait than on their gradient), nor for a runner late
+# by less than the queue's work (18 processes on 2 shared cores: the runner's answer took
+# p50 1-11 ms, p99 20-45 ms in the emulated bench, against updates of 12 ms on a CPU
+# worker and 16 ms on the device; with 2 ranges the device waited 12 ms an update for its
+# next range under load, with 3 about 1 ms). The device's queued ranges carry the rule's
+# batch when they were sent, up to two device batches behind its latest; a CPU worker's
+# batch never changes, so its queue is longer.
+AHEAD = 3
 CPU_AHEAD = 4
 
 _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
