@@ -11,10 +11,13 @@ entropy, plain SGD; the CPU workers' lr is `--cpu-lr-scale` (0.25 = sqrt(4 / 64)
 device's (the reference code uses one lr; with it, here, batch-4 steps at the device's lr
 add more noise than progress: --cpu-lr-scale 1 shows it).
 
-Emulated mode: every update is padded to a declared cost, `per update + per sample x batch`
+Emulated mode: every update lasts a declared cost, `per update + per sample x batch`
 (device 10 ms + 0.1 ms/sample, CPU worker 4 ms + 2 ms/sample: a 20x per-sample asymmetry),
-so the speeds do not depend on what else runs on the machine, as long as the real compute
-stays under the declared cost (the JSON keeps each worker's busy fraction to check it).
+on a schedule (an update that ends late, as a process waking on a busy machine does, is
+made up on the next one, up to its cost: hogbatch_worker.due_time; the synchronous DP
+emulation paces its rounds the same way), so the speeds do not depend on what else runs
+on the machine, as long as the real compute stays under the declared cost (the JSON keeps
+each worker's updates and busy fraction to check it).
 
 CPU workers: 16 beside the device (`--cpu-workers`). The paper's CPU side is 48-56 OpenMP
 threads at one row each, making 86-99% of all updates in fixed CPU+GPU Hogbatch; 16
@@ -34,8 +37,10 @@ device's per-update overhead caps it at 96 updates/s, 0.07 of the CPU's 1333, so
 paper's ratios are out of reach here; at 0.03 the ratio batch is 150, above the floor of
 budget 0.5 (100) and below those of 0.3 (233) and 0.1 (900)). Target loss: what the device
 alone reaches at 2/3 of its epochs. Every other configuration runs for as long as the best
-device-alone run took (as many epochs as fit); time to target is interpolated between epoch
-evaluations (made on copies, off the training path).
+device-alone run took (as many epochs as fit); time to target is interpolated between
+evaluations made at each epoch's end and every `--eval-every-s` (1 s) for every
+configuration alike (Hogbatch's on copies, off the training path; synchronous DP's stop
+its clock), so a configuration with long epochs is not read more coarsely.
 Results: bench/results/hogbatch.json.
 """
 
