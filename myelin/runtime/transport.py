@@ -41,6 +41,7 @@ __all__ = ["TransportConfig", "TransportStats", "Transport"]
 
 log = logging.getLogger(__name__)
 
+_LOOK_EVERY = 2 * 2**20  # bytes sent through shared memory between looks for returned slots
 _DRAIN_MAX = 1024  # messages taken from the inbox per look, so a flood cannot starve the loop
 _NOBLOCK = int(zmq.NOBLOCK)  # an int: enum flags cost per call
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -77,6 +78,7 @@ class Transport:
         self._peers: dict[int, _Peer] = {}
         self._tracked: list[tuple[zmq.MessageTracker, Any]] = []  # buffers alive until sent
         self._arrived: list[Message] = []  # taken from the inbox, not yet returned by poll
+        self._unseen = 0  # bytes sent through shared memory since the inbox was last looked at
         self._ledger = Ledger(self.config.max_inflight_bytes, self.config.shm_bytes)
         self._ipc_paths: list[str] = []  # socket files to remove at close
         kind = self.config.kind
@@ -141,7 +143,9 @@ class Transport:
             )
         peer = self._peers.get(dst) or self._peer(dst)
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
-        drained = nbytes >= self.config.shm_threshold_bytes
+        drained = nbytes >= self.config.shm_threshold_bytes and (
+            peer.queue or self._unseen >= _LOOK_EVERY
+        )
         if drained:
             self._drain()  # slots that came back are reused while still warm in cache
         if not peer.queue and self._try_send(peer, message, nbytes):
@@ -173,6 +177,7 @@ class Transport:
             self.stats.sent_messages += 1
             self.stats.sent_bytes += nbytes
             self.stats.shm_messages += bool(taken)
+            self._unseen += nbytes if taken else 0
         return sent
 
     def _placer(self, peer: _Peer, nbytes: int, taken: list[int]) -> Any:
@@ -298,6 +303,7 @@ class Transport:
     def _drain(self) -> None:
         """Take what waits in the inbox: control messages act now, the rest wait for poll."""
         inbox = self._inbox
+        self._unseen = 0
         for _ in range(_DRAIN_MAX):
             if not inbox.get(_EVENTS) & _POLLIN:
                 return
