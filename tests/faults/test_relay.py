@@ -84,3 +84,33 @@ def test_a_goodbye_after_a_peer_loss_is_relayed_as_that_loss(lost):
             assert "ValueError: a bad batch" in str(error)
     finally:
         _close(transports, lives)
+
+
+def test_news_of_what_a_rank_does_is_rate_limited_and_the_latest_arrives():
+    """The loop says what it does a few times a step; beating on every change woke every
+    rank's heartbeat and ZMQ threads ~10 times a 25 ms step (CPU taken from training when
+    ranks share cores). At most one news beat per 50 ms (and one per heartbeat_s) goes
+    out now, and the peer still learns the latest news. About 2 s."""
+    transports, lives = _ranks(2)
+    try:
+        for live in lives:
+            live.heartbeat_s = 1.0  # so what is counted is the news
+        sent = []
+        beat = lives[0]._beat
+        lives[0]._beat = lambda doing: (sent.append(time.monotonic()), beat(doing))
+        flight = lives[0].flight
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < 1.0:  # a new thing to do every millisecond
+            n += 1
+            flight.now(f"running 1F (forward of microbatch 0) in step {n}")
+            time.sleep(0.001)
+        last = f"running 1F (forward of microbatch 0) in step {n}"
+        deadline = time.monotonic() + 5
+        while lives[1]._peers[0].doing != last and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lives[1]._peers[0].doing == last  # the latest news arrived
+        during = [t for t in sent if start <= t <= start + 1.0]
+        assert 5 <= len(during) <= 30, len(during)  # was ~100 (one per 10 ms poll)
+    finally:
+        _close(transports, lives)
