@@ -172,9 +172,20 @@ class ActivationStore:
             self._trim(entry)
             return View(page, t.dtype, t.shape, t.stride(), t.storage_offset())
 
+        persistent, kept, kind = self._persistent, entry.kept, self.device.type
+
+        def account(t: torch.Tensor) -> Any:
+            """`pack` when nothing is paged out (every tensor kept): fewer looks a tensor."""
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in persistent and ptr not in kept and t.device.type == kind:
+                self._keep(entry, t, ptr, mb)
+            return t
+
         self._saving = entry
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(
+                pack if paging else account, self._unpack
+            ):
                 yield
             while entry.originals and not backward_next:
                 self._copy_out(entry, entry.originals.popleft())

@@ -99,6 +99,7 @@ class Updater:
             self._streamer = Streamer(self.optimizer, params, self.masters, pool, self._stream)
         if mode != "device":  # state some optimizers create eagerly (Adagrad's sum)
             self._adopt_state(list(range(len(self.masters))))
+        self._accounted_states = -1
         self._account()
 
     # -- building ---------------------------------------------------------------------------
@@ -318,9 +319,17 @@ class Updater:
             total += sum(nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
         return total
 
-    def _account(self) -> None:
-        if self.budget is not None:
-            self.budget.set("optimizer", self.device_bytes(), "the optimizer step")
+    def _account(self, fresh: bool = False) -> None:
+        """Tell the budget the optimizer's device bytes. On the device they are counted again
+        only when a parameter's state appears (or `fresh`: loaded), not on every step:
+        a parameter's state keeps its size (a walk over every state tensor a step)."""
+        if self.budget is None:
+            return
+        states = len(self.optimizer.state)
+        if fresh or self.mode != "device" or states != self._accounted_states:
+            self._accounted_states = states
+            self._device_bytes = self.device_bytes()
+        self.budget.set("optimizer", self._device_bytes, "the optimizer step")
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -364,7 +373,7 @@ class Updater:
             self.scaler.load_state_dict(state["loss_scale"])
         if self.mode != "device":
             self._adopt_state(list(range(len(self.masters))))
-        self._account()
+        self._account(fresh=True)
 
     def master_weights(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> the fp32 weights the optimizer steps for it (the master copy;

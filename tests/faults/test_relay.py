@@ -84,3 +84,37 @@ def test_a_goodbye_after_a_peer_loss_is_relayed_as_that_loss(lost):
             assert "ValueError: a bad batch" in str(error)
     finally:
         _close(transports, lives)
+
+
+def test_news_of_what_a_rank_does_is_rate_limited_and_the_latest_arrives():
+    """The loop says what it does a few times a step; beating on every change (and waking
+    for every beat received) woke every rank's heartbeat and ZMQ threads ~10 times a 25 ms
+    step, CPU taken from training when ranks share cores. Now at most one news beat per
+    50 ms (and one per heartbeat_s) goes out, a rank reads its peers' beats when it wakes
+    for its own, and the peers still learn the latest news. About 2 s."""
+    transports, lives = _ranks(3)
+    try:
+        for live in lives[:2]:
+            live.heartbeat_s = 1.0  # so what is counted is rank 0's news
+        lives[2].heartbeat_s = 0.01  # a chatty peer: 100 beats a second to rank 1
+        sent, woke = [], []
+        beat, take = lives[0]._beat, lives[1]._take
+        lives[0]._beat = lambda doing: (sent.append(time.monotonic()), beat(doing))
+        lives[1]._take = lambda: (woke.append(time.monotonic()), take())
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < 1.0:  # a new thing to do every millisecond
+            n += 1
+            lives[0].flight.now(f"running 1F (forward of microbatch 0) in step {n}")
+            time.sleep(0.001)
+        last = f"running 1F (forward of microbatch 0) in step {n}"
+        deadline = time.monotonic() + 5
+        while lives[1]._peers[0].doing != last and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lives[1]._peers[0].doing == last  # the latest news arrived
+        during = [t for t in sent if start <= t <= start + 1.0]
+        assert 5 <= len(during) <= 30, len(during)  # was ~100 (one per 10 ms poll)
+        wakes = [t for t in woke if start <= t <= start + 1.0]
+        assert len(wakes) <= 30, len(wakes)  # was ~120: one per beat received
+    finally:
+        _close(transports, lives)
