@@ -80,6 +80,14 @@ class _Microbatch:
     position: int | None = None  # index of the page backward is at; None before backward
     cursor: int = 0  # pages[cursor:] were brought back (or never left)
     reach: Reach | None = None  # the window below each page, once the forward is done
+    fetching: str = ""  # "bringing back activations of microbatch N", for errors
+
+
+class _Used(weakref.ref):
+    """A weak reference to a view backward unpacked, with its page (see `_used`)."""
+
+    __slots__ = ("page",)
+    page: Page
 
 
 class ActivationStore:
@@ -113,7 +121,7 @@ class ActivationStore:
         self._saving: _Microbatch | None = None  # the microbatch whose forward runs
         self._hooks: list[Any] = []
         self._waits: list[tuple[int, float, float]] = []  # (mb, start, end), perf_counter
-        self._unpacked: dict[weakref.ref, Page] = {}  # views backward holds -> their page
+        self._unpacked: dict[int, _Used] = {}  # id -> a view backward holds, with its page
         self._copier = Copier(self.device)
         self._on_used = self._used  # bound once: the unpack hook passes it per view
 
@@ -150,7 +158,8 @@ class ActivationStore:
         persistent, min_bytes = self._persistent, self.min_bytes
         on_device = f"is_{self.device.type}"  # a Tensor property: is_cpu, is_cuda
         originals, moves = entry.originals, self._copier.moves
-        doing = f"saving activations of microbatch {mb}"
+        doing = f"saving activations of microbatch {mb}"  # for errors: formatted once
+        entry.fetching = f"bringing back activations of microbatch {mb}"
 
         def pack(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
@@ -325,7 +334,7 @@ class ActivationStore:
         return nbytes
 
     def _copy_in(self, entry: _Microbatch, page: Page, early: bool) -> None:
-        self._grow(entry, page.nbytes, f"bringing back activations of microbatch {page.mb}")
+        self._grow(entry, page.nbytes, entry.fetching)
         page.device_copy, page.original = self._copier.copy_in(page), False
         page.early = early
 
@@ -368,15 +377,17 @@ class ActivationStore:
         out = packed[1] if kind is tuple else self._copier.view(packed)
         page.unpacked += 1
         page.alive += 1
-        self._unpacked[weakref.ref(out, self._on_used)] = page
+        ref = _Used(out, self._on_used)
+        ref.page = page
+        self._unpacked[id(ref)] = ref  # by id: a weakref hashes as its tensor, in Python
         return out
 
-    def _used(self, ref: weakref.ref) -> None:
+    def _used(self, ref: _Used) -> None:
         """An unpacked view died; once every view of its page was used, drop the page from
         the device and give its host memory back (autograd saves each tensor once, so none
         will be asked for again; on a CPU that frees the storage as backward goes, as
         autograd would, rather than at the end of the microbatch's backward)."""
-        page = self._unpacked.pop(ref)
+        page = self._unpacked.pop(id(ref)).page
         page.alive -= 1
         if page.alive or page.unpacked < page.views or page.freed:
             return
