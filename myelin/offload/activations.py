@@ -22,7 +22,10 @@ so its kernels, and results, are exactly those of training without offload.
 that sit in the pipeline), `fetch` marks the start of a microbatch's backward, and
 `release` frees what is left after it. On a machine without a GPU the "device" is host
 memory too, so a page neither leaves nor comes back by a copy: the pool answers for its
-bytes while it is out (pages.py), and it is accounted as resident while it is back.
+bytes while it is out (pages.py), it is accounted as resident while it is back, and
+backward gets the saved tensor itself. The hooks run per saved tensor, hundreds a step,
+so their bookkeeping is kept to a few lookups: the windows are summed per layer, not per
+tensor.
 """
 
 from __future__ import annotations
