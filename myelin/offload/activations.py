@@ -22,7 +22,10 @@ so its kernels, and results, are exactly those of training without offload.
 that sit in the pipeline), `fetch` marks the start of a microbatch's backward, and
 `release` frees what is left after it. On a machine without a GPU the "device" is host
 memory too, so a page neither leaves nor comes back by a copy: the pool answers for its
-bytes while it is out (pages.py), and it is accounted as resident while it is back.
+bytes while it is out (pages.py), it is accounted as resident while it is back, and
+backward gets the saved tensor itself. The hooks run per saved tensor, hundreds a step,
+so their bookkeeping is kept to a few lookups: the windows are summed per layer, not per
+tensor.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ import torch
 from torch import nn
 
 from myelin.offload.budget import DeviceBudget
-from myelin.offload.layers import Ahead, find_layers
-from myelin.offload.pages import Copier, Page, View, bytes_of
+from myelin.offload.layers import Ahead, Reach, find_layers
+from myelin.offload.pages import Copier, Page, View
 from myelin.offload.pool import HostPool
 
 __all__ = ["ActivationStore", "ActivationStats"]
@@ -72,11 +75,22 @@ class _Microbatch:
     resident: int = 0  # bytes this microbatch holds on the device
     layer: int = 0  # the forward's current layer, then the last layer
     layer_bytes: list[int] = field(default_factory=lambda: [0])  # page bytes per layer
+    window: int = 0  # Ahead.window at layer `window_at`: its earlier layers' bytes, so kept
+    window_at: int = -1  # until one of their pages moves (-1: none; layer 0 grows as it goes)
     seq: int = 0
     originals: deque[Page] = field(default_factory=deque)  # the forward's storage, by seq
     held: int = 0  # bytes of `originals`
     position: int | None = None  # index of the page backward is at; None before backward
     cursor: int = 0  # pages[cursor:] were brought back (or never left)
+    reach: Reach | None = None  # the window below each page, once the forward is done
+    fetching: str = ""  # "bringing back activations of microbatch N", for errors
+
+
+class _Used(weakref.ref):
+    """A weak reference to a view backward unpacked, with its page (see `_used`)."""
+
+    __slots__ = ("page",)
+    page: Page
 
 
 class ActivationStore:
@@ -110,8 +124,9 @@ class ActivationStore:
         self._saving: _Microbatch | None = None  # the microbatch whose forward runs
         self._hooks: list[Any] = []
         self._waits: list[tuple[int, float, float]] = []  # (mb, start, end), perf_counter
-        self._unpacked: dict[weakref.ref, Page] = {}  # views backward holds -> their page
+        self._unpacked: dict[int, _Used] = {}  # id -> a view backward holds, with its page
         self._copier = Copier(self.device)
+        self._on_used = self._used  # bound once: the unpack hook passes it per view
 
     @property
     def pages_out(self) -> bool:
@@ -143,25 +158,29 @@ class ActivationStore:
         # page. The tensor is held weakly and checked, as a freed address can be reused.
         paged: dict[int, tuple[Any, Page]] = {}
         paging = self.pool is not None
+        persistent, min_bytes = self._persistent, self.min_bytes
+        on_device = f"is_{self.device.type}"  # a Tensor property: is_cpu, is_cuda
+        originals, moves = entry.originals, self._copier.moves
+        doing = f"saving activations of microbatch {mb}"  # for errors: formatted once
+        entry.fetching = f"bringing back activations of microbatch {mb}"
 
         def pack(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr in self._persistent or t.device.type != self.device.type:
+            if ptr in persistent or not getattr(t, on_device):
                 return t
             ref, page = paged.get(ptr, (None, None))
             if page is None or (page.device_copy is None and ref() is None):
                 size = storage.nbytes()
-                view = t.numel() * t.element_size()
-                if not paging or ptr in held or view < self.min_bytes:
-                    return self._keep(entry, t, ptr, mb)
-                if size > _MAX_STORAGE_RATIO * view:
-                    return self._keep(entry, t, ptr, mb)
+                view = t.nbytes
+                small = view < min_bytes or size > _MAX_STORAGE_RATIO * view
+                if not paging or ptr in held or small:
+                    return self._keep(entry, t, ptr, size, doing)
                 page = Page(size, mb, entry.layer, entry.seq)
-                self._hold(entry, page, storage)
+                self._hold(entry, page, storage, doing)
                 entry.layer_bytes[entry.layer] += size
                 entry.pages.append(page)
-                entry.originals.append(page)
+                originals.append(page)
                 entry.held += size
                 base = t if t._base is None else t._base  # lives as long as the storage's owner
                 paged[ptr] = (weakref.ref(base), page)
@@ -169,8 +188,13 @@ class ActivationStore:
                 self._touch(entry, page, storage)  # saved again: backward needs it later
             entry.seq += 1
             page.views += 1
-            self._trim(entry)
-            return View(page, t.dtype, t.shape, t.stride(), t.storage_offset())
+            if len(originals) > 1:
+                self._trim(entry)
+            if moves:
+                return View(page, t.dtype, t.shape, t.stride(), t.storage_offset())
+            # The page never moves: keep the tensor itself, detached (autograd's graph holding
+            # a node's own output would be a reference cycle). A plain tuple: made per tensor.
+            return (page, t.detach())
 
         persistent, kept, kind = self._persistent, entry.kept, self.device.type
 
@@ -194,6 +218,7 @@ class ActivationStore:
             entry.cursor = len(entry.pages)
             for i, page in enumerate(entry.pages):
                 page.index = i
+            entry.reach = self.ahead.reach(entry.pages, entry.layer_bytes)
         finally:
             self._saving = None
 
@@ -204,9 +229,10 @@ class ActivationStore:
         entry.pages.append(page)
         entry.layer_bytes[page.layer] -= page.nbytes
         entry.layer_bytes[entry.layer] += page.nbytes
+        entry.window_at = -1  # an earlier layer's bytes changed
         page.layer, page.seq = entry.layer, entry.seq
         if page.device_copy is None:
-            self._hold(entry, page, storage)
+            self._hold(entry, page, storage, f"saving activations of microbatch {page.mb}")
             entry.held += page.nbytes
         else:
             entry.originals.remove(page)
@@ -223,7 +249,10 @@ class ActivationStore:
         """Page out the oldest of what the forward holds until what is left below its last
         page fits the window backward will want there (at least one page, unless none)."""
         originals = entry.originals
-        window = self.ahead.window(entry.layer_bytes, entry.layer)
+        if entry.window_at != entry.layer:
+            entry.window = self.ahead.window(entry.layer_bytes, entry.layer)
+            entry.window_at = entry.layer or -1
+        window = entry.window
         while len(originals) > 1:
             below = entry.held - originals[-1].nbytes
             if below <= window or (window and len(originals) == 2):
@@ -242,10 +271,12 @@ class ActivationStore:
         entry.held -= page.nbytes
         self._drop(entry, page)
 
-    def _keep(self, entry: _Microbatch, t: torch.Tensor, ptr: int, mb: int) -> torch.Tensor:
+    def _keep(
+        self, entry: _Microbatch, t: torch.Tensor, ptr: int, size: int, doing: str
+    ) -> torch.Tensor:
+        """Account `t`'s storage (`size` bytes at `ptr`) once; it stays where it is."""
         if ptr not in entry.kept:
-            size = t.untyped_storage().nbytes()
-            self._grow(entry, size, f"saving activations of microbatch {mb}")
+            self._grow(entry, size, doing)
             entry.kept[ptr] = size
         return t
 
@@ -253,10 +284,12 @@ class ActivationStore:
         self.budget.add("activations", nbytes, doing)
         entry.resident += nbytes
 
-    def _hold(self, entry: _Microbatch, page: Page, storage: torch.UntypedStorage) -> None:
+    def _hold(
+        self, entry: _Microbatch, page: Page, storage: torch.UntypedStorage, doing: str
+    ) -> None:
         """Keep the forward's own storage as `page` on the device (accounted, checked)."""
-        self._grow(entry, page.nbytes, f"saving activations of microbatch {page.mb}")
-        page.device_copy, page.original = bytes_of(storage), True
+        self._grow(entry, page.nbytes, doing)
+        page.device_copy, page.original = self._copier.own(storage), True
 
     def _drop(self, entry: _Microbatch, page: Page) -> None:
         """Take `page` off the device (no longer accounted)."""
@@ -278,8 +311,8 @@ class ActivationStore:
         ]
         started = 0
         for entry in waiting[: self.depth]:
-            if entry.pages:
-                low = self.ahead.lowest(entry.pages, len(entry.pages) - 1, entry.layer_bytes)
+            if entry.pages and entry.reach is not None:
+                low = entry.reach.lowest(len(entry.pages) - 1)
                 started += self._bring_back(entry, low, len(entry.pages))
         return started
 
@@ -297,7 +330,10 @@ class ActivationStore:
         """Backward is at `entry.pages[pos]`: bring back what it needs there, and start the
         copies of what it needs next."""
         entry.position = pos
-        self._bring_back(entry, self.ahead.lowest(entry.pages, pos, entry.layer_bytes), pos)
+        assert entry.reach is not None  # set when its forward ended
+        low = entry.reach.lowest(pos)
+        if low < entry.cursor:
+            self._bring_back(entry, low, pos)
 
     def _bring_back(self, entry: _Microbatch, low: int, now: int) -> int:
         """Start copying back the pages from index `low` up that are off the device and
@@ -312,7 +348,7 @@ class ActivationStore:
         return nbytes
 
     def _copy_in(self, entry: _Microbatch, page: Page, early: bool) -> None:
-        self._grow(entry, page.nbytes, f"bringing back activations of microbatch {page.mb}")
+        self._grow(entry, page.nbytes, entry.fetching)
         page.device_copy, page.original = self._copier.copy_in(page), False
         page.early = early
 
@@ -338,10 +374,10 @@ class ActivationStore:
         page.counted = True
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        view: View = packed
-        page = view.page
+        kind = type(packed)
+        if kind is not tuple and kind is not View:
+            return packed  # kept where it was
+        page = packed[0]  # a View, or (page, the saved tensor itself) where pages never move
         entry = self._mbs.get(page.mb)
         if page.freed or entry is None:  # unpacked after its microbatch was released
             raise RuntimeError(
@@ -350,19 +386,22 @@ class ActivationStore:
         start = time.perf_counter()
         if page.index >= 0 and (entry.position is None or page.index < entry.position):
             self._advance(entry, page.index)  # (index -1: a backward inside the forward)
-        self._need(page, start)
-        out = self._copier.view(view)
+        if not (page.original or (page.counted and page.device_copy is not None)):
+            self._need(page, start)  # (else: the forward's own storage, or back and counted)
+        out = packed[1] if kind is tuple else self._copier.view(packed)
         page.unpacked += 1
         page.alive += 1
-        self._unpacked[weakref.ref(out, self._used)] = page
+        ref = _Used(out, self._on_used)
+        ref.page = page
+        self._unpacked[id(ref)] = ref  # by id: a weakref hashes as its tensor, in Python
         return out
 
-    def _used(self, ref: weakref.ref) -> None:
+    def _used(self, ref: _Used) -> None:
         """An unpacked view died; once every view of its page was used, drop the page from
         the device and give its host memory back (autograd saves each tensor once, so none
         will be asked for again; on a CPU that frees the storage as backward goes, as
         autograd would, rather than at the end of the microbatch's backward)."""
-        page = self._unpacked.pop(ref)
+        page = self._unpacked.pop(id(ref)).page
         page.alive -= 1
         if page.alive or page.unpacked < page.views or page.freed:
             return

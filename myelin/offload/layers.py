@@ -17,6 +17,7 @@ loss) counts as layers of its own. A module with no children pages as one layer.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Ahead", "find_layers"]
+__all__ = ["Ahead", "Reach", "find_layers"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -76,3 +77,30 @@ class Ahead:
             low -= 1
             total += pages[low].nbytes
         return low
+
+    def reach(self, pages: Sequence[Any], layer_bytes: Sequence[int]) -> Reach:
+        """`lowest` for the pages of a finished forward, asked at each of them as backward
+        goes: the windows and the running bytes are summed once, not at every page."""
+        cum = [0]
+        for page in pages:
+            cum.append(cum[-1] + page.nbytes)
+        windows = [self.window(layer_bytes, layer) for layer in range(len(layer_bytes))]
+        return Reach(cum, [windows[page.layer] for page in pages])
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """`Ahead.lowest` over fixed pages (`Ahead.reach`). cum[i]: the bytes of pages[:i];
+    windows[i]: the window below pages[i]."""
+
+    cum: list[int]
+    windows: list[int]
+
+    def lowest(self, pos: int) -> int:
+        """As `Ahead.lowest(pages, pos, layer_bytes)`: the first index whose pages up to
+        `pos` (excluded) fit the window, and at least `pos - 1` while the window is not 0."""
+        window = self.windows[pos]
+        if window <= 0 or pos == 0:
+            return pos
+        cum = self.cum
+        return min(pos - 1, bisect_left(cum, cum[pos] - window, 0, pos))

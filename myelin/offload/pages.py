@@ -7,7 +7,8 @@ runs on one side stream, after what the compute stream has queued, and records a
 that whoever uses the copy waits for. On a CPU the device is host memory already: a copy
 would free nothing, so paging out hands the page's own storage to the pool, which answers
 for its bytes (`HostPool.adopt`), and a page comes back as that storage, without a copy
-either way (as torch's `save_on_cpu` does on a CPU).
+either way (as torch's `save_on_cpu` does on a CPU); a saved tensor is then kept as itself,
+not rebuilt over its page in backward (`View`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class Page:
     layer: int  # the last layer that saved it: where backward first needs it
     seq: int  # when the forward last saved it: backward needs pages in reverse order
     index: int = -1  # its place in that order, once the forward is done
-    device_copy: torch.Tensor | None = None  # uint8 on the device; accounted while set
+    # On the device, accounted while set: uint8 over the forward's storage or a copy back; on
+    # a CPU the forward's UntypedStorage itself (`Copier.own`).
+    device_copy: torch.Tensor | torch.UntypedStorage | None = None
     original: bool = False  # device_copy is the forward's own storage, never copied back
-    host: torch.Tensor | None = None  # uint8 in the pool (adopted on a CPU), once paged out
+    # Once paged out: uint8 in the pool; on a CPU the same storage, adopted by the pool.
+    host: torch.Tensor | torch.UntypedStorage | None = None
     ready: Any = None  # a CUDA event: the page's last copy is done
     early: bool = False  # brought back before backward needed it
     counted: bool = False  # counted as a hit or a miss
@@ -45,7 +49,7 @@ class Page:
 
 
 class View(NamedTuple):
-    """A saved tensor as a view of a page."""
+    """A saved tensor as a view of a page, rebuilt over its device copy in backward."""
 
     page: Page
     dtype: torch.dtype
@@ -61,6 +65,12 @@ class Copier:
         self.device = device
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
+        self.moves = cuda  # whether pages are copied (else saved tensors are kept as they are)
+
+    def own(self, storage: torch.UntypedStorage) -> torch.Tensor | torch.UntypedStorage:
+        """The forward's own `storage` as a page's device copy: on a GPU uint8 over it, which
+        the page-out copy reads; on a CPU the storage itself (nothing reads it)."""
+        return bytes_of(storage) if self._stream is not None else storage
 
     def copy_out(self, page: Page, pool: HostPool) -> None:
         """Start copying the page's device bytes into new pool memory (`page.host`)."""
@@ -79,9 +89,9 @@ class Copier:
             page.ready = torch.cuda.Event()
             page.ready.record(self._stream)
 
-    def copy_in(self, page: Page) -> torch.Tensor:
-        """Start bringing the page back from the pool; the device copy (on a CPU, the pool
-        memory itself)."""
+    def copy_in(self, page: Page) -> torch.Tensor | torch.UntypedStorage:
+        """Start bringing the page back from the pool; the device copy (on a CPU, the
+        adopted storage itself)."""
         assert page.host is not None
         if self._stream is None:  # host and device are one memory: a view, no copy
             return page.host
@@ -115,7 +125,7 @@ class Copier:
         on a GPU the compute stream waits for the copy first."""
         page = saved.page
         copy = page.device_copy  # uint8: the forward's storage, a copy back, or pool memory
-        assert copy is not None
+        assert isinstance(copy, torch.Tensor)
         if page.ready is not None and not page.original:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(page.ready)

@@ -264,7 +264,7 @@ class HostPool:
         activation's own storage: copying host memory to host memory would free nothing).
         It counts as in use and, with the slabs, against the limit; `disown` gives it up.
         Raises HostMemoryError, having changed nothing, past the limit."""
-        size = _round_up(nbytes, ALIGN)
+        size = -(-nbytes // ALIGN) * ALIGN  # _round_up, inline: once per page
         with self._lock:
             if self._limit is not None and self._capacity + self._adopted + size > self._limit:
                 raise HostMemoryError(
@@ -276,11 +276,12 @@ class HostPool:
                 )
             self._adopted += size
             self._in_use += size
-            self._peak = max(self._peak, self._in_use)
+            if self._in_use > self._peak:
+                self._peak = self._in_use
 
     def disown(self, nbytes: int) -> None:
         """Stop answering for `nbytes` that `adopt` took on."""
-        size = _round_up(nbytes, ALIGN)
+        size = -(-nbytes // ALIGN) * ALIGN
         with self._lock:
             if size > self._adopted:
                 raise MyelinError(f"disown({nbytes}): only {human_bytes(self._adopted)} is adopted")

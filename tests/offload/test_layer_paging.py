@@ -212,3 +212,51 @@ def test_a_microbatch_whose_backward_waits_pages_everything_out():
     assert store.stats.resident_step_bytes == 0
     # Its backward misses only the page it needs first; the rest comes ahead.
     assert store.stats.prefetch_misses == 1
+
+
+class _Exp(nn.Module):
+    """Layer 0: y = exp(x), z = exp(y), each saving its output (S bytes each)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.exp()
+        return y, y.exp()
+
+
+class _Again(nn.Module):
+    """Layer 1: a new page exp(z), then y saved again (by a product with a parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, yz: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        y, z = yz
+        return z.exp().sum() + (y * self.w).sum()
+
+
+def test_a_page_saved_again_shrinks_the_window_of_the_layer_that_took_it():
+    """The forward's window (the bytes of the layers below) is summed once per layer and
+    kept; y saved again in layer 1 moves its bytes out of layer 0, so the window shrinks
+    from 2S to S and the oldest page (z) must leave at once: with the old window kept, it
+    stays (fails with the window not summed again after the move)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Exp(), _Again())
+    x = torch.randn(64, 64, requires_grad=True)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    store = watched_store(model)
+    size = 64 * 64 * 4  # S
+    with store.saving(0, keep=[x], backward_next=True):
+        loss = model(x)
+    entry = store._mbs[0]
+    assert [p.layer for p in entry.pages] == [0, 1, 1]  # z, exp(z), y
+    assert entry.layer_bytes[:2] == [size, 2 * size]
+    assert store.stats.offloaded_step_bytes == size  # z left when y came up to layer 1
+    assert store.budget.resident["activations"] == 2 * size
+    store.fetch(0)
+    loss.backward()
+    store.release(0)
+    got = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

@@ -109,3 +109,25 @@ def test_bytes_ahead_keep_at_least_one_page():
     assert Ahead(nbytes=25).lowest(PAGES, 11, LAYER_BYTES) == 9
     assert Ahead(nbytes=1).lowest(PAGES, 13, LAYER_BYTES) == 12  # a 30-byte page all the same
     assert Ahead(nbytes=1000).lowest(PAGES, 13, LAYER_BYTES) == 0
+
+
+@pytest.mark.parametrize(
+    "ahead", [Ahead(), Ahead(layers=0), Ahead(layers=2), Ahead(nbytes=1), Ahead(nbytes=45)]
+)
+def test_reach_answers_as_lowest_at_every_page(ahead):
+    """The store asks `Reach` (prefix sums, summed once per forward) at each page backward
+    reaches; it must pick what `lowest` picks, zero-byte pages and uneven layers included."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        counts = torch.randint(0, 5, (5,), generator=gen).tolist()
+        pages = [
+            P(layer, int(torch.randint(0, 40, (), generator=gen)))
+            for layer, count in enumerate(counts)
+            for _ in range(count)
+        ]
+        layer_bytes = [sum(p.nbytes for p in pages if p.layer == i) for i in range(len(counts))]
+        reach = ahead.reach(pages, layer_bytes)
+        got = [reach.lowest(pos) for pos in range(len(pages))]
+        assert got == [ahead.lowest(pages, pos, layer_bytes) for pos in range(len(pages))]
+    fixed = Ahead(layers=1).reach(PAGES, LAYER_BYTES)
+    assert [fixed.lowest(pos) for pos in (13, 12, 11, 8, 3)] == [11, 8, 7, 4, 0]
