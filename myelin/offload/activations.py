@@ -200,9 +200,10 @@ class ActivationStore:
 
         def account(t: torch.Tensor) -> Any:
             """`pack` when nothing is paged out (every tensor kept): fewer looks a tensor."""
-            ptr = t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
             if ptr not in persistent and ptr not in kept and t.device.type == kind:
-                self._keep(entry, t, ptr, mb)
+                self._keep(entry, t, ptr, storage.nbytes(), doing)
             return t
 
         self._saving = entry

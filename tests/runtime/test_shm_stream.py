@@ -117,20 +117,24 @@ def test_a_stream_of_held_and_dropped_tensors_keeps_every_byte(pair):
         a.send(1, Message("activation", 0, 0, i, 0, _payload(i)))
         assert a._peers[1].inflight <= budget  # credits still bound what is in flight
     sent = 48
+    seen: set[int] = set()
 
     def take() -> None:
         for m in got:
+            seen.add(m.microbatch)
             assert _same(m.tensors, _payload(m.microbatch)), f"message {m.microbatch} differs"
             if m.microbatch % 3 == 0:
                 tensors = m.tensors
                 held[m.microbatch] = [tensors[0][1:]] if m.microbatch == 3 else tensors
         got.clear()
 
-    _pump(a, b, lambda: take() or len(held) == 16 and not got and not a.pending_sends(), got)
+    _pump(a, b, lambda: take() or len(seen) == 48 and not a.pending_sends(), got)
+    assert len(held) == 16
     for i in range(48, 60):  # a second wave into the slots the dropped ones gave back
         a.send(1, Message("activation", 0, 0, i, 0, _payload(i)))
     sent += 12
-    _pump(a, b, lambda: take() or len(held) == 20 and not got and not a.pending_sends(), got)
+    _pump(a, b, lambda: take() or len(seen) == 60 and not a.pending_sends(), got)
+    assert len(held) == 20
     assert b.stats.received_messages >= sent
     assert a.stats.shm_messages - shm_before >= sent // 2, "the stream did not use the segment"
     assert side.segment.committed <= side.segment.size
