@@ -15,12 +15,10 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import zmq
 
 from myelin.runtime import shm
@@ -34,21 +32,10 @@ THRESHOLD = 128 * 2**10
 
 
 @pytest.fixture
-def pair() -> Iterator[Callable[..., tuple[Transport, Transport]]]:
+def pair(transports) -> Callable[..., tuple[Transport, Transport]]:
     """Two transports (rank 0 and 1) in this process over ipc, closed after the test."""
-    made: list[Transport] = []
-
-    def make(**kw: Any) -> tuple[Transport, Transport]:
-        store = dist.HashStore()
-        base = {"kind": "ipc", "shm_threshold_bytes": THRESHOLD, "linger_ms": 100}
-        cfg = TransportConfig(**{**base, **kw})
-        a, b = Transport(0, 2, store, cfg), Transport(1, 2, store, cfg)
-        made.extend((a, b))
-        return a, b
-
-    yield make
-    for t in made:
-        t.close()
+    base = {"kind": "ipc", "shm_threshold_bytes": THRESHOLD, "linger_ms": 100}
+    return lambda **kw: transports(TransportConfig(**{**base, **kw}))
 
 
 def _pump(a: Transport, b: Transport, until: Callable[[], bool], got: list[Message]) -> None:

@@ -11,7 +11,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -39,20 +39,9 @@ def _config(**kw: Any) -> TransportConfig:
 
 
 @pytest.fixture
-def make_pair() -> Iterator[Callable[..., tuple[Transport, Transport]]]:
+def make_pair(transports) -> Callable[..., tuple[Transport, Transport]]:
     """Two transports (rank 0 and 1) in this process, closed after the test."""
-    made: list[Transport] = []
-
-    def make(kind: str = "ipc", **kw: Any) -> tuple[Transport, Transport]:
-        store = dist.HashStore()
-        cfg = _config(kind=kind, **kw)
-        a, b = Transport(0, 2, store, cfg), Transport(1, 2, store, cfg)
-        made.extend((a, b))
-        return a, b
-
-    yield make
-    for t in made:
-        t.close()
+    return lambda kind="ipc", **kw: transports(_config(kind=kind, **kw))
 
 
 def _pump(
