@@ -32,9 +32,11 @@ class OffloadConfig:
         ahead of their backward.
     fetch_ahead: how far ahead of backward pages come back, within one microbatch: an int
         counts layers (1: the copy for layer i-1 runs while backward computes layer i), a
-        byte count such as "64MiB" counts bytes (whole layers, at least one). As many layers
-        stay on the device behind the forward, so a backward that follows its forward at
-        once (one stage, the last stage) starts without waiting. Default 1.
+        byte count such as "64MiB" counts bytes (whole pages, at least one: less than a
+        layer lowers the peak further, at the cost of less time to hide each copy; 0 keeps
+        nothing ahead). As much stays on the device behind the forward, so a backward that
+        follows its forward at once (one stage, the last stage) starts without waiting.
+        Default 1.
     host_memory_limit: bytes or "48GiB" the pool may hold; default 80% of the memory
         available at start, shared by the ranks of this host.
     slab_bytes: the pool grows in slabs of this size.

@@ -122,6 +122,54 @@ def test_one_process_pages_layer_by_layer_to_a_quarter_of_the_peak(given):
     assert stats["fetch_ahead"] == 1
 
 
+class _Encoder(torch.nn.Module):
+    """The issue's case: a torch `nn.TransformerEncoder` of 4 layers inside one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 128)
+        layer = torch.nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)))
+
+
+def test_a_torch_encoder_given_as_one_module_pages_by_its_layers():
+    """Its layers are found inside it (4 blocks and the head), results do not change, and
+    the window sets the peak: one layer ahead by default (no backward waits), none at
+    fetch_ahead=0 (every page fetched when asked: a quarter of no offload's peak or less,
+    a floor set by the parameters and the step's gradients)."""
+
+    def run(offload):
+        torch.manual_seed(0)
+        loss = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+        opt = functools.partial(torch.optim.Adam, lr=1e-3)
+        with myelin.Trainer(_Encoder(), opt, loss, microbatches=2, offload=offload) as t:
+            g = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(2):
+                x = torch.randint(0, 64, (16, 129), generator=g)
+                losses.append(t.step(x[:, :-1], x[:, 1:]))
+            return losses, [p.detach().clone() for p in t.module.parameters()], t.memory_stats()
+
+    ref_losses, ref_params, ref = run(None)
+    peaks = {}
+    for ahead in (1, 0):
+        both = myelin.OffloadConfig(activations=True, optimizer=True, fetch_ahead=ahead)
+        losses, params, stats = run(both)
+        assert losses == ref_losses, ahead
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True)), ahead
+        assert stats["activation_layers"] == 5
+        assert stats["activations_fetched_bytes"] == stats["activations_offloaded_bytes"] > 0
+        peaks[ahead] = stats["device_peak_bytes"]
+        misses = stats["prefetch_misses"]
+        assert misses == 0 if ahead else misses > 0, (ahead, stats)
+    assert 4 * peaks[0] <= ref["device_peak_bytes"], (peaks, ref)
+    assert peaks[0] < peaks[1] < ref["device_peak_bytes"] / 2, (peaks, ref)
+
+
 def test_backward_waiting_for_pages_is_recorded_as_offload_wait():
     """fetch_ahead=0 brings nothing back ahead of backward: every page is a miss, and each
     wait is an offload_wait record inside the backward that waited."""
