@@ -42,6 +42,17 @@ def steady(steps: list[int], warmup_steps: int) -> list[int]:
     return steps[warmup_steps:] if len(steps) > warmup_steps else steps
 
 
+def _evaluations(spans: Mapping[int, Sequence[Span]], steps: list[int]) -> int:
+    """How many of `steps` were evaluation steps (the trainer numbers them with training's,
+    so a user reading "steps 1-841" after 714 training steps sees where the rest went)."""
+    if not steps:
+        return 0
+    low, high = steps[0], steps[-1]
+    evals = {s.step for rs in spans.values() for s in rs if s.kind == "eval" and s.step >= low}
+    trains = {s.step for rs in spans.values() for s in rs if s.kind in ("forward", "backward")}
+    return len({step for step in evals - trains if step <= high})
+
+
 def summarize(
     ranks: Sequence[dict[str, Any]],
     spans: Mapping[int, Sequence[Span]],
@@ -86,6 +97,7 @@ def summarize(
         "warmup_steps": warmup_steps,
         "steps": [all_steps[0], all_steps[-1]] if all_steps else [],
         "steady_steps": [steady_steps[0], steady_steps[-1]] if steady_steps else [],
+        "eval_steps": None if folded_steps else _evaluations(spans, steady_steps),
         "ranks": rows,
         "mean": _mean(rows),
     }
@@ -203,6 +215,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     title = f"{summary['source']} profile: {len(rows)} rank(s), % of each rank's wall time"
     if steps:
         title += f" over steps {steps[0]}-{steps[1]}"
+        if summary.get("eval_steps"):
+            title += f" ({summary['eval_steps']} of them evaluation, numbered with training's)"
         if summary["warmup_steps"] and summary["steps"] and summary["steps"][0] < steps[0]:
             title += f" (after {summary['warmup_steps']} warm-up)"
     if summary.get("missing_ranks"):

@@ -144,6 +144,21 @@ def test_gpipe_bubble_is_exact_on_a_simulated_pipeline(p, m):
         assert row["whole_run"]["idle"]["bubble"] >= 0
 
 
+def test_the_title_says_how_many_steps_were_evaluations():
+    """The trainer numbers evaluation steps with training's: after 3 training steps and 2
+    evaluations the report covers steps 1-4, and says 2 of them were evaluations."""
+    lines = gpipe(2, 4, steps=3)
+    end = max(s.end for line in lines for s in line.spans)
+    for step in (3, 4):
+        for line in lines:
+            line.add("eval", f"{line.rank}F0", end, end + F, step, microbatch=0)
+        end += F
+    summary = report_of(lines).summary()
+    assert summary["steady_steps"] == [1, 4] and summary["eval_steps"] == 2
+    assert "over steps 1-4 (2 of them evaluation" in report_of(lines).format()
+    assert report_of(gpipe(2, 4, steps=3)).summary()["eval_steps"] == 0
+
+
 KIND_CAUSE = st.sampled_from(
     [("forward", None), ("backward", None), ("send", None), ("wait", "bubble"),
      ("allreduce", "collective_wait"), ("wait", "offload_wait"), ("gap", "other"),
