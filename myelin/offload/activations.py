@@ -359,6 +359,12 @@ class ActivationStore:
         if page.original or (page.counted and page.device_copy is not None):
             return  # the forward's own storage, or counted already and still here
         if page.device_copy is None:  # not brought back: a schedule this store did not foresee
+            if page.host is None:  # used up: its host memory went back to the pool
+                raise RuntimeError(
+                    f"activations of microbatch {page.mb} were needed again after backward had "
+                    "used every one of them (a second backward over one graph, retain_graph="
+                    "True, is not supported with activation offload)"
+                )
             self._copy_in(self._mbs[page.mb], page, early=False)
             self.stats.fetched_step_bytes += page.nbytes
         done = self._copier.done(page)
@@ -390,7 +396,9 @@ class ActivationStore:
         if not (page.original or (page.counted and page.device_copy is not None)):
             self._need(page, start)  # (else: the forward's own storage, or back and counted)
         out = packed[1] if kind is tuple else self._copier.view(packed)
-        page.unpacked += 1
+        if page.index >= 0 and id(packed) not in page.used:  # the backward's, once each: a
+            page.used.add(id(packed))  # saved tensor may be read twice (ctx.saved_tensors)
+            page.unpacked += 1
         page.alive += 1
         ref = _Used(out, self._on_used)
         ref.page = page
@@ -398,10 +406,11 @@ class ActivationStore:
         return out
 
     def _used(self, ref: _Used) -> None:
-        """An unpacked view died; once every view of its page was used, drop the page from
-        the device and give its host memory back (autograd saves each tensor once, so none
-        will be asked for again; on a CPU that frees the storage as backward goes, as
-        autograd would, rather than at the end of the microbatch's backward)."""
+        """An unpacked view died; once backward has unpacked every saved tensor on its page
+        (each counted once, however often it is read) and no view of it is alive, drop the
+        page from the device and give its host memory back (on a CPU that frees the storage
+        as backward goes, as autograd would, rather than at the end of the microbatch's
+        backward; a second backward over the same graph is then an error that says so)."""
         page = self._unpacked.pop(id(ref)).page
         page.alive -= 1
         if page.alive or page.unpacked < page.views or page.freed:

@@ -13,7 +13,7 @@ not rebuilt over its page in backward (`View`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -43,7 +43,8 @@ class Page:
     early: bool = False  # brought back before backward needed it
     counted: bool = False  # counted as a hit or a miss
     views: int = 0  # saved tensors that are views of it
-    unpacked: int = 0  # ... that backward has unpacked
+    unpacked: int = 0  # ... that backward has unpacked (each counted once: see `used`)
+    used: set[int] = field(default_factory=set)  # id() of each of them, while autograd holds it
     alive: int = 0  # unpacked views still alive
     freed: bool = False  # its microbatch was released
 

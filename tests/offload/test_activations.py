@@ -15,6 +15,7 @@ from myelin import DeviceMemoryError, HostMemoryError
 from myelin.models import GPT, GPTConfig, lm_loss
 from myelin.offload.activations import ActivationStore
 from myelin.offload.budget import DeviceBudget
+from myelin.offload.pages import bytes_of
 from myelin.offload.pool import HostPool
 
 CPU = torch.device("cpu")
@@ -181,6 +182,39 @@ def test_paged_gradients_equal_plain_autograd(name, min_bytes):
     assert store.budget.resident["activations"] == 0
 
 
+def rebuilt_over_pages(store: ActivationStore) -> ActivationStore:
+    """`store` as on a GPU, emulated on the CPU: a saved tensor is rebuilt over its page's
+    bytes in backward (`View`, its offset and strides), not kept as itself."""
+    store._copier.moves = True
+    store._copier.own = bytes_of  # the forward's storage as uint8, as the GPU's copies read it
+    return store
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_saved_tensors_rebuilt_over_their_pages_equal_plain_autograd(name):
+    model, batches, loss_fn = build(name)
+    expected = plain_grads(model, batches, loss_fn)
+    pool = HostPool(slab_bytes=1 << 20)
+    store = rebuilt_over_pages(make_store(model, pool, min_bytes=0))
+    assert_all_equal(stored_grads(model, batches, loss_fn, store), expected)
+    assert pool.in_use_bytes == 0 and store.budget.resident["activations"] == 0
+
+
+def test_a_second_backward_over_used_up_pages_is_named():
+    """Pages go back to the pool as backward uses them, so a second backward over the same
+    graph (retain_graph=True) cannot have them: a clear error, not a failed assertion."""
+    model, batches, loss_fn = build("mlp")
+    store = rebuilt_over_pages(make_store(model, HostPool(slab_bytes=1 << 20), min_bytes=0))
+    x, y = batches[0]
+    with store.saving(0):
+        loss = loss_fn(model(stage_input(x)), y)
+    store.fetch(0)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="microbatch 0 were needed again.*retain_graph"):
+        loss.backward()
+    store.release(0)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_large_min_bytes_pages_nothing(name):
     model, batches, loss_fn = build(name)
@@ -318,6 +352,61 @@ def test_pages_go_back_to_the_pool_as_backward_uses_them():
     assert seen[0] < out_after_forward / 2, (seen, out_after_forward)
     store.release(0)
     assert pool.in_use_bytes == 0
+
+
+class _ReadsTwice(torch.autograd.Function):
+    """x * x whose backward reads its saved tensor twice, as `ctx.saved_tensors` allows."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return h * h
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        (again,) = ctx.saved_tensors
+        return g * (h + again)
+
+
+class _SharedPage(nn.Module):
+    """h is saved twice: by a product, then by `_ReadsTwice`, whose backward runs first
+    and reads it twice; the product's backward still needs h after that."""
+
+    def __init__(self, penalty: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.c = nn.Parameter(torch.randn(64))
+        self.penalty = penalty
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        out = (h * self.c + _ReadsTwice.apply(h)).sum()
+        if self.penalty:  # a backward inside the forward, as a gradient penalty does
+            (g,) = torch.autograd.grad(out, h, create_graph=True)
+            out = out + g.square().sum()
+        return out
+
+
+@pytest.mark.parametrize("penalty", [False, True])
+def test_a_page_is_used_up_only_once_each_saved_tensor_on_it_was_unpacked(penalty):
+    """Unpacks are counted once per saved tensor, and only in the microbatch's own backward:
+    a tensor read twice, or by a backward inside the forward, does not use its page up
+    while another saved tensor on it is still to be read."""
+    torch.manual_seed(0)
+    model, x = _SharedPage(penalty), torch.randn(32, 64)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    pool = HostPool(slab_bytes=1 << 20)
+    store = make_store(model, pool, min_bytes=0)
+    with store.saving(0):
+        loss = model(x)
+    store.fetch(0)
+    loss.backward()
+    store.release(0)
+    assert_all_equal([p.grad for p in model.parameters()], expected)
+    assert store.stats.pages > 0 and pool.in_use_bytes == 0
 
 
 # -- accounting -----------------------------------------------------------------------------
