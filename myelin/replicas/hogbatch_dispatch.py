@@ -81,6 +81,14 @@ class Dispatcher:
         self.pending.extend(ranges)
         return ranges
 
+    def first_unfinished(self, first: int) -> int:
+        """The epoch a resumed run starts from: the lowest one still under way (a later
+        epoch can complete before an earlier one's last range comes back), else the one
+        after the last completed, else `first`."""
+        if self.left:
+            return min(self.left)
+        return max(self.completed) + 1 if self.completed else first
+
     def all_done(self) -> bool:
         """Every range of every epoch is done."""
         return not self.left and self.cursor >= self.samples and self.epoch + 1 >= self.epochs

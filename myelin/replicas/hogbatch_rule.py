@@ -98,7 +98,8 @@ def choose_device_batch(
     )
     want = min(max(want, lo), hi)
     want = min(max(want, current / 2), current * 2)
-    return int(min(max(round(want), lo), hi))
+    # up, not to the nearest: a rounded-down floor is under the budget, half of 5 is not 2
+    return int(min(max(math.ceil(want * (1 - 1e-12)), lo), hi))
 
 
 class Controller:
@@ -106,7 +107,11 @@ class Controller:
 
     `observe` after each finished batch; `device_batch` is the batch to hand out next. The
     first two device batches probe hi and hi/2 (so the line is identifiable); budget 0 or
-    adaptive off keep hi throughout (fixed CPU+GPU Hogbatch)."""
+    adaptive off keep hi throughout (fixed CPU+GPU Hogbatch). While the device's window
+    holds one batch size only (the probe not back yet, or a batch that held for a whole
+    window) its line is not identifiable: the last fit that was holds, and before any
+    the batch stays (an unidentified fit puts all the time on throughput, whose budget
+    floor is 0)."""
 
     def __init__(
         self, *, lo: int, hi: int, ratio: float, budget: float, adaptive: bool, window: int = 16
@@ -117,6 +122,7 @@ class Controller:
         self.batch = hi
         self.samples: dict[int, deque] = {}  # worker -> deque of (batch, seconds)
         self.device_seen = 0
+        self.fit: tuple[float, float] | None = None  # the device's last identifiable (o, s)
         self.trace: list[int] = [hi]  # device batch after each adjustment
 
     def observe(self, worker: int, batch: int, seconds: float, device: bool) -> None:
@@ -129,12 +135,19 @@ class Controller:
         if self.device_seen == 1:
             self.batch = max(self.lo, self.hi // 2)  # the probe
         else:
-            o, s = fit_update_time(*zip(*win))
-            self.batch = choose_device_batch(
-                self.batch, o, s, self.cpu_rate(worker), ratio=self.ratio,
-                budget=self.budget, lo=self.lo, hi=self.hi,
-            )  # fmt: skip
+            if len({b for b, _ in win}) > 1:
+                self.fit = fit_update_time(*zip(*win))
+            if self.fit is not None:
+                o, s = self.fit
+                self.batch = choose_device_batch(
+                    self.batch, o, s, self.cpu_rate(worker), ratio=self.ratio,
+                    budget=self.budget, lo=self.lo, hi=self.hi,
+                )  # fmt: skip
         self.trace.append(self.batch)
+
+    def forget(self, worker: int) -> None:
+        """`worker` is gone: its updates no longer count in the CPU workers' rate."""
+        self.samples.pop(worker, None)
 
     def cpu_rate(self, device_worker: int) -> float:
         """Updates per second of all other (CPU) workers together, from their windows."""
@@ -149,6 +162,7 @@ class Controller:
         return {
             "batch": self.batch,
             "device_seen": self.device_seen,
+            "fit": list(self.fit) if self.fit is not None else None,
             "samples": {w: list(win) for w, win in self.samples.items()},
             "trace": list(self.trace),
         }
@@ -157,6 +171,8 @@ class Controller:
         """Continue from `state_dict`'s output."""
         self.batch = int(state["batch"])
         self.device_seen = int(state["device_seen"])
+        fit = state.get("fit")  # absent from checkpoints written before it was kept
+        self.fit = (float(fit[0]), float(fit[1])) if fit is not None else None
         self.samples = {
             int(w): deque([tuple(p) for p in win], maxlen=self.window)
             for w, win in state["samples"].items()

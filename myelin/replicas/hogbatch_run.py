@@ -123,9 +123,8 @@ class Run:
                 "epoch": self.next_epoch()}  # fmt: skip
 
     def next_epoch(self) -> int:
-        """The epoch after the last one completed (the first one, before any completed)."""
-        done = self.runner.disp.completed
-        return max(done) + 1 if done else self.first_epoch
+        """The first epoch not completed (`Dispatcher.first_unfinished`)."""
+        return self.runner.disp.first_unfinished(self.first_epoch)
 
     def updates(self) -> int:
         """Updates every worker has added so far."""
@@ -303,6 +302,13 @@ class _Run:
             raise PeerLostError(-1, "training", "Hogbatch: no worker is left to train")
 
     def _done(self, w: int, msg: dict[str, Any], evaluator: _Evaluator) -> None:
+        r = self._record(w, msg)
+        if self.disp.done(w, r):
+            wall = time.perf_counter() - self.t0
+            evaluator.submit(r.epoch, wall, self.store.snapshot(), self._seen())
+
+    def _record(self, w: int, msg: dict[str, Any]) -> Range:
+        """Count a `done` message: the update, its samples and time, and the rule's fit."""
         self._check(w, msg, "done")
         r = self.busy[w].popleft()  # a worker trains its ranges in the order sent
         st = self.stats[w]
@@ -314,9 +320,7 @@ class _Run:
         self.ctl.observe(w, r.count, msg["seconds"], device=w == 0)
         if self.ctl.batch != before:
             self.batches.append((time.perf_counter() - self.t0, self.ctl.batch))
-        if self.disp.done(w, r):
-            wall = time.perf_counter() - self.t0
-            evaluator.submit(r.epoch, wall, self.store.snapshot(), self._seen())
+        return r
 
     def _seen(self) -> float:
         """Epochs' worth of samples trained so far in this run."""
@@ -331,6 +335,7 @@ class _Run:
     def _lost(self, w: int) -> None:
         code = self.procs[w].exitcode
         self.alive.discard(w)
+        self.ctl.forget(w)
         r = list(self.busy.pop(w, ()))
         if self.cfg.on_worker_loss == "raise":
             raise PeerLostError(
@@ -349,9 +354,11 @@ class _Run:
                 if not conn.poll():
                     break  # it exited
                 msg = unpack(conn.recv_bytes())
-                if msg["op"] != "done":  # a batch in flight when the run was cut short
+                if msg["op"] != "done":
                     self._check(w, msg, "stopped")
                     break
+                # a batch in flight when the run was cut short: its update is in the weights
+                self.disp.done(w, self._record(w, msg))
             self.procs[w].join(max(deadline - time.monotonic(), 0))
 
     def kill(self) -> None:

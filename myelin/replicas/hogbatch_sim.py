@@ -63,6 +63,7 @@ def simulate(
         for k in gone:
             del lose[k]
             disp.lose(k)
+            controller.forget(k)
             heap = [e for e in heap if e[2] != k]
             heapq.heapify(heap)
             idle.discard(k)

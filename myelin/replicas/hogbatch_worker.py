@@ -123,10 +123,8 @@ class _Worker:
         loss = self.loss_fn(self.model(x), y)
         loss.backward()
         flat_grads(self.params, self.step)  # device -> host copy on a GPU (synchronises)
-        wd = self.job["weight_decay"]
-        if wd:
-            self.store_pulled()
-            self.step.add_(self.pulled, alpha=wd)
+        if self.job["weight_decay"]:
+            self.decay()
         if self.cost is not None:  # emulated speed: the update ends on its schedule
             self.due = due_time(self.due, t0, self.cost[0] + self.cost[1] * count)
             left = self.due - time.perf_counter()
@@ -147,12 +145,16 @@ class _Worker:
         return {"op": "done", "seconds": time.perf_counter() - t0, "tau": tau,
                 "loss": float(loss.detach())}  # fmt: skip
 
-    def store_pulled(self) -> None:
-        """The weights this step was computed on, flat on the host (for weight decay)."""
-        offset = 0
+    def decay(self) -> None:
+        """Add weight decay to the step: weight_decay times the weights it was computed on,
+        only where a parameter got a gradient (as torch.optim.SGD, which skips the others)."""
+        wd, offset = self.job["weight_decay"], 0
         for p in self.params:
             n = p.numel()
-            self.pulled[offset : offset + n].copy_(p.detach().reshape(-1))
+            if p.grad is not None:
+                pulled = self.pulled[offset : offset + n]
+                pulled.copy_(p.detach().reshape(-1))
+                self.step[offset : offset + n].add_(pulled, alpha=wd)
             offset += n
 
     def save_record(self) -> None:

@@ -72,7 +72,9 @@ def test_bad_settings_name_the_field(kw, field):
 
 def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_resume_continues(tmp_path):
     model, data, _ = problem()
+    model.unused = torch.nn.Parameter(torch.ones(3))  # no gradient: SGD does not decay it
     ref = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    ref.unused = torch.nn.Parameter(torch.zeros(3))
     ref.load_state_dict(model.state_dict())
     recs = []
     state = None
@@ -101,6 +103,23 @@ def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_resume_continues(tmp_
     assert seen == {0: 512, 1: 512}
     assert torch.equal(flat(model), flat(ref))
     assert rep["workers"][0]["share"] == 1.0 and [e["epoch"] for e in rep["evals"]] == [1]
+
+
+def test_a_run_stopped_after_an_epoch_counts_the_updates_still_in_flight(tmp_path):
+    """The workers' batches in flight when `on_epoch` stops the run land in the weights:
+    the report counts them, and the state resumes at the first epoch not complete."""
+    model, data, _ = problem()
+    cfg = myelin.Hogbatch(cpu_workers=1, cpu_batch=4, device_batch=(16, 16), adaptive=False,
+                          lock=True, record=str(tmp_path), emulate=((0.01, 0.0), (0.005, 0.0)),
+                          timeout_s=100)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=20, on_epoch=lambda e, w: e == 0)
+    recs = load_records(tmp_path)
+    assert sum(w["updates"] for w in rep["workers"]) == len(recs)
+    assert sum(w["samples"] for w in rep["workers"]) == sum(r["range"][2] for r in recs)
+    done = {e: sum(r["range"][2] for r in recs if r["range"][0] == e) for e in range(20)}
+    first_unfinished = min(e for e, n in done.items() if n < len(data[0]))
+    assert rep["state"]["epoch"] == first_unfinished >= 1
 
 
 def test_slow_device_plus_cpu_updates_is_w0_minus_the_sum_of_all_steps(tmp_path):

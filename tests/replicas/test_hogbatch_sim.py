@@ -82,3 +82,29 @@ def test_dispatcher_ranges_pending_first_and_no_second_epoch_ahead():
     assert d.done(2, c) and d.completed == [0]
     assert d.take(4, 100) == Range(2, 0, 10)
     assert torch.equal(d.permutation(1), Dispatcher(10, 3, 0).permutation(1))
+
+
+def test_a_resumed_run_starts_from_the_lowest_epoch_still_under_way():
+    """Epoch 1 can complete while the device still trains a range of epoch 0: a checkpoint
+    taken then resumes at epoch 0, which is not complete, not at 2."""
+    d = Dispatcher(10, epochs=3, seed=0)
+    assert d.first_unfinished(0) == 0
+    slow = d.take(0, 8)  # the device, on epoch 0
+    while (r := d.take(1, 1)) is not None:
+        d.done(1, r)
+    assert d.completed == [1] and d.left == {0: 8}
+    assert d.first_unfinished(0) == 0
+    d.done(0, slow)
+    assert d.first_unfinished(0) == 2
+
+
+def test_a_lost_cpu_worker_stops_counting_in_the_cpu_rate():
+    """After one of two CPU workers dies the device batch follows the one left: the update
+    ratio stays at its target (device 20 ms + b / 5000, CPU batch 4 in 40 ms: b = 100 for
+    ratio 1 with one CPU worker, 50 while there were two)."""
+    res = run(adaptive=True, budget=0.9, cpus=2, epochs=3, device=(0.02, 5000.0),
+              cpu=(0.02, 200.0), lose={2: 2.0})  # fmt: skip
+    assert_exactly_once(res)
+    late = res["order"][-len(res["order"]) // 3 :]
+    assert late.count(0) / late.count(1) == pytest.approx(1.0, rel=0.15)
+    assert res["trace"][-1] == pytest.approx(100, rel=0.15)
