@@ -30,7 +30,15 @@ from torch import nn
 from myelin.errors import MyelinError, PartitionError
 from myelin.partition import StageModule, layers_of
 
-__all__ = ["ReshardError", "StageKeys", "capture", "export", "restore", "scheduler_state"]
+__all__ = [
+    "ReshardError",
+    "StageKeys",
+    "capture",
+    "export",
+    "layer_weights",
+    "restore",
+    "scheduler_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,13 @@ def export(module: nn.Module, updater: Any) -> dict[str, torch.Tensor]:
     return {k: masters.get(id(held[k]), v) for k, v in state.items()}
 
 
+def layer_weights(module: nn.Module, updater: Any = None) -> dict[str, torch.Tensor]:
+    """The stage's weights by layer key, copied to the CPU (`export`'s: fp32 masters in
+    place where the updater has them)."""
+    sk = stage_keys(module)
+    return {sk.keys[k]: v.detach().cpu().clone() for k, v in export(module, updater).items()}
+
+
 def capture(
     module: nn.Module,
     updater: Any,
@@ -95,7 +110,7 @@ def capture(
 ) -> dict[str, Any]:
     """The stage's weights, optimizer state, random streams and scheduler by layer key."""
     sk = stage_keys(module)
-    weights = {sk.keys[k]: v.detach().cpu().clone() for k, v in export(module, updater).items()}
+    weights = layer_weights(module, updater)
     optimizer = None
     if updater is not None:
         keys_of = _param_keys(module, sk)

@@ -77,10 +77,12 @@ class EASGD:
     def check(self, stages: int, data_parallel: int) -> None:
         """Raise before any work if alpha makes the sync center diverge."""
         alpha = self.moving_rate(data_parallel)
-        if self.mode == "sync" and not 0 <= alpha * data_parallel < 2:
+        # the workers' mean minus the center shrinks by 1 - alpha - beta a round (beta =
+        # alpha x replicas): stable for alpha + beta < 2 (Zhang et al.)
+        if self.mode == "sync" and not 0 <= alpha * (data_parallel + 1) < 2:
             raise ConfigError(
-                f"EASGD(alpha={alpha}): sync mode needs beta = alpha x replicas < 2 "
-                f"(here {alpha * data_parallel:g}), or the center diverges"
+                f"EASGD(alpha={alpha}): sync mode needs alpha + beta = alpha x (replicas + 1) "
+                f"< 2 (here {alpha * (data_parallel + 1):g}), or the center diverges"
             )
 
     def moving_rate(self, replicas: int) -> float:

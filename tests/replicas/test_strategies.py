@@ -32,8 +32,12 @@ def test_sync_settings_are_checked_before_any_work():
         myelin.EASGD(tau=0)
     with pytest.raises(myelin.ConfigError, match=r"EASGD\(mode='ring'\)"):
         myelin.EASGD(mode="ring")
-    with pytest.raises(myelin.ConfigError, match="beta = alpha x replicas < 2"):
+    with pytest.raises(myelin.ConfigError, match=r"alpha \+ beta = alpha x \(replicas \+ 1\) < 2"):
         myelin.PipelineConfig(data_parallel=4, sync=myelin.EASGD(alpha=0.6))
+    # beta = 1.8 < 2, but alpha + beta = 2.25: |mean - center| grows 1.25x a round
+    with pytest.raises(myelin.ConfigError, match=r"\(here 2.25\)"):
+        myelin.PipelineConfig(data_parallel=4, sync=myelin.EASGD(alpha=0.45))
+    myelin.PipelineConfig(data_parallel=4, sync=myelin.EASGD(alpha=0.39))  # 1.95: stable
     with pytest.raises(myelin.ConfigError, match=r"DASO\(stability_level=2\)"):
         myelin.DASO(stability_level=2)
     with pytest.raises(myelin.ConfigError, match="precision='fp32'"):
@@ -251,3 +255,26 @@ def test_hub_exchanges_conserve_and_its_death_is_peer_lost_everywhere(tmp_path):
         assert h["error"] == "PeerLostError", h
         assert h["after_s"] < 15  # peer_timeout_s is 5 s; the old behaviour was a 300 s wait
         assert "hub" in h["message"]
+
+
+def test_an_easgd_checkpoint_of_a_model_with_layers_resumes_exactly(tmp_path):
+    """The checkpoint's model (the center) is stored by layer key, as every other shard's
+    weights: a GPT, whose keys in the module differ from its layers', resumed before."""
+    from myelin.models import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16)
+    x = torch.randint(0, 32, (6, 4, 9), generator=torch.Generator().manual_seed(0))
+
+    def trainer(**kw):
+        torch.manual_seed(0)
+        sync = myelin.EASGD(tau=2, alpha=0.3)
+        return myelin.Trainer(GPT(cfg), torch.optim.SGD, lm_loss, sync=sync, timeout=60, **kw)
+
+    with trainer() as t:
+        full = [t.step(b[:, :-1], b[:, 1:]) for b in x]
+    with trainer() as t:
+        for b in x[:3]:
+            t.step(b[:, :-1], b[:, 1:])
+        t.save(tmp_path)
+    with trainer(resume=tmp_path) as t:
+        assert [t.step(b[:, :-1], b[:, 1:]) for b in x[3:]] == full[3:]
