@@ -132,7 +132,7 @@ class EasgdReplicas(Strategy):
             check_local_sgd(spec, ctx.optimizer)  # before any work: the reason, not a wrong run
         world = ctx.world
         self.spec, self.params = spec, ctx.params
-        self.replicas = world.layout.data_parallel
+        self.replicas, self.replica = world.layout.data_parallel, world.replica
         self.alpha = spec.moving_rate(self.replicas)
         self.group = world.dp_group
         self.t = 0  # this replica's clock: steps done
@@ -268,12 +268,18 @@ class EasgdReplicas(Strategy):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The parameters were loaded with x~: keep it as the center, restore x_i."""
+        """The parameters were loaded with x~: keep it as the center (in the hub: replica 0
+        puts it back there, and no replica exchanges before it has), restore x_i."""
         if "local" not in state:
             return
         if self.hub is None:
             self._round = None
             self._center = flatten(self.params)
+        else:
+            if self.replica == 0:
+                self.hub.set(flatten(self.params))
+            if self.replicas > 1:
+                self.comm.all_reduce(torch.zeros(1), self.group, "exchange")  # a barrier
         unflatten(state["local"], self.params)
         self.t, self.exchanges = int(state["t"]), int(state["exchanges"])
         if self.velocity is not None and "velocity" in state:

@@ -42,7 +42,7 @@ from myelin.runtime.messages import Message, MessageLimits, decode, encode
 
 __all__ = ["Hub", "OPS", "main"]
 
-OPS = ("init", "read", "push", "exchange", "bye")
+OPS = ("init", "set", "read", "push", "exchange", "bye")
 
 
 class Hub:
@@ -61,9 +61,10 @@ class Hub:
         if op == "bye":
             return None
         key = msg.stage
-        if op == "init":
+        if op in ("init", "set"):  # init: unless another rank made it first; set: replace
             _one_tensor(msg)
-            self.slots.setdefault(key, msg.tensors[0].float().clone())
+            if op == "set" or key not in self.slots:
+                self.slots[key] = msg.tensors[0].float().clone()
             return []
         slot = self.slots.get(key)
         if slot is None:

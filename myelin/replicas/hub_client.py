@@ -205,6 +205,10 @@ class HubClient:
         """Make the slot x unless another rank made it first."""
         self._reply("init", self._send("init", [x.detach().float().cpu().contiguous()]))
 
+    def set(self, x: torch.Tensor) -> None:
+        """Make the slot x, whatever it holds (a resumed run's center)."""
+        self._reply("set", self._send("set", [x.detach().float().cpu().contiguous()]))
+
     def read(self) -> torch.Tensor:
         """The slot as the hub holds it now (a pull)."""
         return self._reply("read", self._send("read", []))[0]

@@ -26,7 +26,9 @@ def test_exchange_conserves_worker_plus_center_and_push_adds():
     assert torch.equal(hub.handle(request("read"))[0], center + e + 1)
     hub.handle(request("init", [torch.zeros(3)]))  # a later init does not reset the slot
     assert torch.equal(hub.slots[0], center + e + 1)
-    assert hub.served == {"init": 2, "read": 1, "push": 1, "exchange": 1, "bye": 0}
+    hub.handle(request("set", [torch.zeros(3)]))  # set does (a resumed run's center)
+    assert torch.equal(hub.slots[0], torch.zeros(3))
+    assert hub.served == {"init": 2, "set": 1, "read": 1, "push": 1, "exchange": 1, "bye": 0}
 
 
 @pytest.mark.parametrize(

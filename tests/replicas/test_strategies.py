@@ -257,9 +257,11 @@ def test_hub_exchanges_conserve_and_its_death_is_peer_lost_everywhere(tmp_path):
         assert "hub" in h["message"]
 
 
-def test_an_easgd_checkpoint_of_a_model_with_layers_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_easgd_checkpoint_of_a_model_with_layers_resumes_exactly(tmp_path, mode):
     """The checkpoint's model (the center) is stored by layer key, as every other shard's
-    weights: a GPT, whose keys in the module differ from its layers', resumed before."""
+    weights (a GPT, whose keys in the module differ from its layers', did not resume),
+    and an async run puts it back in the hub (which kept the initial weights)."""
     from myelin.models import GPT, GPTConfig, lm_loss
 
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16)
@@ -267,7 +269,7 @@ def test_an_easgd_checkpoint_of_a_model_with_layers_resumes_exactly(tmp_path):
 
     def trainer(**kw):
         torch.manual_seed(0)
-        sync = myelin.EASGD(tau=2, alpha=0.3)
+        sync = myelin.EASGD(tau=2, alpha=0.3, mode=mode)
         return myelin.Trainer(GPT(cfg), torch.optim.SGD, lm_loss, sync=sync, timeout=60, **kw)
 
     with trainer() as t:
