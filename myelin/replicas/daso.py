@@ -314,12 +314,17 @@ class DasoReplicas(Strategy):
             self.pending[send_id] = ([], [total], wait)
             pending[str(send_id)] = {"sum": total.cpu(), "wait": wait}
         state = {"schedule": self._sched().state_dict(), "pending": pending}
+        state["epoch_steps"], state["total_epochs"] = self._epoch_steps, self._total  # as planned
         state["local"] = flatten(self.params)  # the checkpoint's model entries are the synced ones
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "schedule" not in state:
             return
+        # the plan the run was saved under (fit's, when DASO(...) left it open): a resumed
+        # run loads before fit plans again, and must cool down where the first would have
+        self._epoch_steps = self._epoch_steps or state.get("epoch_steps")
+        self._total = self._total or state.get("total_epochs")
         self._sched().load_state_dict(state["schedule"])
         self.synced = flatten(self.params)  # loaded as the model: the synchronised parameters
         unflatten(state["local"], self.params)

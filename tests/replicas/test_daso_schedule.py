@@ -101,3 +101,34 @@ def test_state_round_trips():
     t = schedule(warmup_epochs=0)
     t.load_state_dict(s.state_dict())
     assert [t.advance(2.0) for _ in range(25)] == [s.advance(2.0) for _ in range(25)]
+
+
+def test_a_resumed_daso_keeps_the_plan_it_was_saved_under(monkeypatch):
+    """Trainer(resume=...) loads the strategy before fit() plans: the epoch length and the
+    epoch count fit gave the first run come back with the schedule (before, a resumed run
+    had no total, so never cooled down, or no epoch length at all, a ConfigError)."""
+    import types
+
+    import torch
+
+    import myelin
+    import myelin.replicas.daso as daso
+    from myelin.replicas import Context
+
+    monkeypatch.setattr(daso, "_make_groups", lambda world, g: (None, [None] * g))  # no groups
+    layout = types.SimpleNamespace(data_parallel=2, stages=1)
+    world = types.SimpleNamespace(layout=layout, replica=0, dp_group=None, extra_groups=[])
+
+    def replicas(**kw):
+        spec = myelin.DASO(node_size=1, downcast="fp32", **kw)
+        return daso.DasoReplicas(spec, Context(world, [torch.nn.Parameter(torch.zeros(3))]))
+
+    for given in ({"epoch_steps": 6}, {}):  # set in DASO(...), or left to fit
+        first = replicas(**given)
+        first.plan(6, 10)
+        saved = first.state_dict()
+        again = replicas(**given)
+        again.load_state_dict(saved)
+        again.plan(6, 3)  # fit(epochs=3) to finish: the schedule's plan is the first run's
+        sched = again._sched()
+        assert (sched.last_batch + 1, sched.total_epochs) == (6, 10), given
