@@ -70,6 +70,8 @@ class LazyAdam(torch.optim.Optimizer):
             rows = None
             g = grad.reshape(rows_of.shape)
         m_all, v_all, steps = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        if steps.device != p.device:  # torch's load_state_dict leaves "step" where it was saved
+            steps = state["step"] = steps.to(p.device)
         m = m_all if rows is None else m_all[rows]
         v = v_all if rows is None else v_all[rows]
         if rows is None:
