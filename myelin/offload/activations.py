@@ -51,6 +51,7 @@ __all__ = ["ActivationStore", "ActivationStats"]
 # A view is paged with its whole storage only if the storage is at most this many times
 # bigger (q, k and v are each a third of one projection); a small view of a big buffer stays.
 _MAX_STORAGE_RATIO = 4
+_AGAIN = " after backward had used them all: retain_graph=True is not supported with offload"
 
 
 @dataclass(slots=True)
@@ -360,11 +361,7 @@ class ActivationStore:
             return  # the forward's own storage, or counted already and still here
         if page.device_copy is None:  # not brought back: a schedule this store did not foresee
             if page.host is None:  # used up: its host memory went back to the pool
-                raise RuntimeError(
-                    f"activations of microbatch {page.mb} were needed again after backward had "
-                    "used every one of them (a second backward over one graph, retain_graph="
-                    "True, is not supported with activation offload)"
-                )
+                raise RuntimeError(f"activations of microbatch {page.mb} were needed again{_AGAIN}")
             self._copy_in(self._mbs[page.mb], page, early=False)
             self.stats.fetched_step_bytes += page.nbytes
         done = self._copier.done(page)
