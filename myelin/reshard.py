@@ -95,10 +95,12 @@ def export(module: nn.Module, updater: Any) -> dict[str, torch.Tensor]:
     return {k: masters.get(id(held[k]), v) for k, v in state.items()}
 
 
-def layer_weights(module: nn.Module, updater: Any = None) -> dict[str, torch.Tensor]:
-    """The stage's weights by layer key, copied to the CPU (`export`'s: fp32 masters in
-    place where the updater has them)."""
-    sk = stage_keys(module)
+def layer_weights(
+    module: nn.Module, updater: Any = None, sk: StageKeys | None = None
+) -> dict[str, torch.Tensor]:
+    """The stage's weights by layer key (`sk`, found when not given), copied to the CPU
+    (`export`'s: fp32 masters in place where the updater has them)."""
+    sk = sk or stage_keys(module)
     return {sk.keys[k]: v.detach().cpu().clone() for k, v in export(module, updater).items()}
 
 
@@ -110,7 +112,7 @@ def capture(
 ) -> dict[str, Any]:
     """The stage's weights, optimizer state, random streams and scheduler by layer key."""
     sk = stage_keys(module)
-    weights = layer_weights(module, updater)
+    weights = layer_weights(module, updater, sk)
     optimizer = None
     if updater is not None:
         keys_of = _param_keys(module, sk)

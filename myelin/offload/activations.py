@@ -393,9 +393,8 @@ class ActivationStore:
         if not (page.original or (page.counted and page.device_copy is not None)):
             self._need(page, start)  # (else: the forward's own storage, or back and counted)
         out = packed[1] if kind is tuple else self._copier.view(packed)
-        if page.index >= 0 and id(packed) not in page.used:  # the backward's, once each: a
-            page.used.add(id(packed))  # saved tensor may be read twice (ctx.saved_tensors)
-            page.unpacked += 1
+        if page.index >= 0:  # the microbatch's own backward; a set: a tensor read twice
+            page.used.add(id(packed))  # (ctx.saved_tensors) counts once
         page.alive += 1
         ref = _Used(out, self._on_used)
         ref.page = page

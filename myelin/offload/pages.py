@@ -43,10 +43,14 @@ class Page:
     early: bool = False  # brought back before backward needed it
     counted: bool = False  # counted as a hit or a miss
     views: int = 0  # saved tensors that are views of it
-    unpacked: int = 0  # ... that backward has unpacked (each counted once: see `used`)
-    used: set[int] = field(default_factory=set)  # id() of each of them, while autograd holds it
+    used: set[int] = field(default_factory=set)  # id() of each that backward has unpacked
     alive: int = 0  # unpacked views still alive
     freed: bool = False  # its microbatch was released
+
+    @property
+    def unpacked(self) -> int:
+        """Saved tensors on it that backward has unpacked, each once however often read."""
+        return len(self.used)
 
 
 class View(NamedTuple):

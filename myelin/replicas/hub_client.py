@@ -203,11 +203,14 @@ class HubClient:
 
     def init(self, x: torch.Tensor) -> None:
         """Make the slot x unless another rank made it first."""
-        self._reply("init", self._send("init", [x.detach().float().cpu().contiguous()]))
+        self._put("init", x)
 
     def set(self, x: torch.Tensor) -> None:
         """Make the slot x, whatever it holds (a resumed run's center)."""
-        self._reply("set", self._send("set", [x.detach().float().cpu().contiguous()]))
+        self._put("set", x)
+
+    def _put(self, op: str, x: torch.Tensor) -> None:
+        self._reply(op, self._send(op, [x.detach().float().cpu().contiguous()]))
 
     def read(self) -> torch.Tensor:
         """The slot as the hub holds it now (a pull)."""
