@@ -5,7 +5,7 @@
 #   bench/gpu_session.sh suite      # python -m pytest tests/gpu -q -rs     (about 5 min)
 #   bench/gpu_session.sh bench      # python bench/gpu.py: sections 1, 3, 4 (about 5 min)
 #   bench/gpu_session.sh capacity   # python bench/gpu.py --sections 2      (5 to 10 min)
-#   bench/gpu_session.sh quick      # the suite, then bench/gpu.py --quick --sections 1,2,3,4
+#   bench/gpu_session.sh quick      # the suite (MYELIN_GPU_SUITE_S, 400 s), then gpu.py --quick
 #   bench/gpu_session.sh            # suite, then bench, inside one 10-minute budget
 #
 # The times are estimates: none of this has run on a GPU yet. Where one command may run
@@ -84,7 +84,7 @@ record() { if [ "$1" -ne 0 ] && [ $first_failure -eq 0 ]; then first_failure=$1;
 
 suite() {  # $1: seconds it may take
   say "GPU suite: python -m pytest tests/gpu -q -rs (limit $1 s)"
-  timeout --signal=INT --kill-after=20 "$1" "$PY" -m pytest tests/gpu -q -rs \
+  timeout --signal=INT --kill-after=20 "$1" "$PY" -m pytest tests/gpu -q -rs --durations=20 \
     -p no:cacheprovider --junitxml "$DEST/gpu-suite.xml" 2>&1 | tee "$DEST/gpu-suite.log"
   record "${PIPESTATUS[0]}"
 }
@@ -109,7 +109,7 @@ case "${1:-all}" in
   bench) bench 570 gpu-bench.log ;;
   capacity) bench 570 gpu-capacity.log --sections 2 ;;
   quick)
-    suite 400
+    suite "${MYELIN_GPU_SUITE_S:-400}"
     bench "$(left)" gpu-bench.log --quick --sections 1,2,3,4
     ;;
   all)

@@ -7,7 +7,7 @@ waits myelin relies on (record_stream, Stream.wait_event, Event.synchronize/quer
 checks that the same poison then shows: otherwise the first test could not catch the bug
 it is for.
 
-The copies, in myelin/offload/pages.py (run by activations.py) and optimizer.py:
+The copies, in myelin/offload/pages.py (run by activations.py), optimizer.py and streaming.py:
 - page-out: a saved activation's storage, device -> pinned pool, on the copier's side
   stream, layer by layer as the forward goes; the device storage is freed as the forward
   moves on, so only `record_stream` keeps the caching allocator from handing it to the
@@ -30,8 +30,8 @@ import pytest
 import torch
 
 import myelin
-import myelin.offload.optimizer as optimizer_mod
 import myelin.offload.pages as pages_mod
+import myelin.offload.streaming as streaming_mod
 from myelin.offload.activations import ActivationStore
 from myelin.offload.optimizer import Updater
 from myelin.offload.pages import Copier
@@ -39,7 +39,10 @@ from tests.gpu._gpu import DELAY_CYCLES, delay, train
 
 pytestmark = pytest.mark.gpu
 
-ACT = myelin.OffloadConfig(activations=True, min_bytes=0)
+# 16 KiB keeps the saved token ids and targets (2 KiB a microbatch) on the device: the
+# checks below poison pages, and poisoned indices would stop the GPU at a device-side
+# assert (a sticky error that breaks every later test in the process) rather than show.
+ACT = myelin.OffloadConfig(activations=True, min_bytes="16KiB")
 STREAM = myelin.OffloadConfig(optimizer="stream", bucket_bytes="64KiB")
 HOST = myelin.OffloadConfig(optimizer="host", bucket_bytes="64KiB")
 # GPipe: microbatches wait in the pipeline, all their pages leave; message-driven on one
@@ -174,14 +177,14 @@ def _poison_stage_in(monkeypatch) -> None:
     """The state and masters staged in for a bucket's update start as NaN on the device,
     behind a held-back side stream; the copy from the pool lands after that."""
 
-    def slow_poisoned_to_device(t, device):  # what optimizer._to_device does, poisoned first
+    def slow_poisoned_to_device(t, device):  # what streaming._to_device does, poisoned first
         torch.cuda._sleep(DELAY_CYCLES // 5)  # on the current stream: the updater's side stream
         out = torch.empty_like(t, device=device)
         _poison(out)
         out.copy_(t, non_blocking=True)
         return out
 
-    monkeypatch.setattr(optimizer_mod, "_to_device", slow_poisoned_to_device)
+    monkeypatch.setattr(streaming_mod, "_to_device", slow_poisoned_to_device)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

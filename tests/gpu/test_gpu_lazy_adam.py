@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 
 def test_a_cpu_state_resumes_on_the_gpu_as_it_would_on_the_cpu():
     def run(device, state=None):
-        torch.manual_seed(0)
-        w = torch.nn.Parameter(torch.randn(16, 4, device=device))
+        torch.manual_seed(0)  # drawn on the CPU: CUDA's generator draws other numbers
+        w = torch.nn.Parameter(torch.randn(16, 4).to(device))
         opt = LazyAdam([w], lr=0.1)
         if state is not None:
             opt.load_state_dict(state)

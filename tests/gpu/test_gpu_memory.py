@@ -10,6 +10,7 @@ to the same bits as without the cap.
 from __future__ import annotations
 
 import functools
+import traceback
 
 import pytest
 import torch
@@ -46,8 +47,15 @@ def test_device_memory_limit_turns_a_real_oom_into_device_memory_error(determini
     release()
     with pytest.raises(myelin.DeviceMemoryError) as err:
         train(BIG, steps=1, device_memory_limit=limit, **BIG_RUN)
-    text = str(err.value)
-    assert isinstance(err.value.__cause__, torch.OutOfMemoryError), repr(err.value.__cause__)
+    text, cause = str(err.value), repr(err.value.__cause__)
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError), cause
+    # The errors' tracebacks hold the failed run's frames, and with them its model and
+    # activations (an H200 run held 740 MiB of them into the capped run below).
+    exc: BaseException | None = err.value
+    while exc is not None:
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+    del err
     assert "OffloadConfig(activations=True)" in text, text
     assert "OffloadConfig(optimizer=True)" in text, text
     assert human_bytes(limit) in text and "rank 0 (stage 0)" in text, text
@@ -128,7 +136,10 @@ def test_nothing_is_pinned_after_the_first_step(fresh_device, monkeypatch, slab_
         f"the host pool grew from {seen['grows']} to {seen['grows_now']} pinned slabs after "
         f"step 1 ({slab_bytes} slabs)"
     )
-    assert not any(counter.host_allocator().values()), counter.host_allocator()
+    # No new pinned block. Requests torch serves from its pinned cache are not counted: on
+    # an H200, 4 a step with 4 microbatches, one per microbatch's loss (a CUDA scalar's
+    # `.item()` reads through a pinned scalar of torch's own).
+    assert counter.host_allocator().get("num_host_alloc", 0) == 0, counter.host_allocator()
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,10 @@ elementwise the same arithmetic as one step over all parameters on the device, s
 equal no offload bit for bit. "host" runs the same optimizer on the CPU, whose kernels
 round differently (FMA contraction, vector widths), so "host" matches "stream" to
 HOST_RTOL / HOST_ATOL on the fp32 masters after three AdamW steps, and the losses to
-LOSS_RTOL; under bf16 the half-precision weights may differ by one rounding step.
+LOSS_RTOL. Under bf16 and fp16 a weight one rounding step apart after step 1 changes the
+next steps' gradients at half precision, so the masters drift further (seen on an H200:
+at most 4.2e-5 in fp16, 6.3e-5 in bf16); HALF_ATOL bounds that at a fifteenth of what
+three steps at lr 1e-3 can move a weight.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tests.gpu._gpu import train
 pytestmark = pytest.mark.gpu
 
 HOST_RTOL, HOST_ATOL = 1e-5, 1e-6
+HALF_ATOL = 2e-4
 LOSS_RTOL = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-3}
 
 
@@ -37,14 +41,16 @@ def test_stream_mode_equals_no_offload_and_host_mode(deterministic, fresh_device
 
     for a, b in zip(host.losses, stream.losses, strict=True):
         assert abs(a - b) <= LOSS_RTOL[precision] * abs(b), (host.losses, stream.losses)
-    for a, b in zip(host.masters, stream.masters, strict=True):
-        torch.testing.assert_close(a, b, rtol=HOST_RTOL, atol=HOST_ATOL)
     if precision == "fp32":
+        for a, b in zip(host.masters, stream.masters, strict=True):
+            torch.testing.assert_close(a, b, rtol=HOST_RTOL, atol=HOST_ATOL)
         for a, b in zip(host.params, stream.params, strict=True):
             torch.testing.assert_close(a, b, rtol=HOST_RTOL, atol=HOST_ATOL)
-    else:  # half-precision weights are the masters rounded: at most one rounding step apart
+    else:  # the weights are the masters rounded: at most one rounding step more apart
+        for a, b in zip(host.masters, stream.masters, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=HALF_ATOL)
         for a, b in zip(host.params, stream.params, strict=True):
-            torch.testing.assert_close(a, b)  # torch's default tolerance for the dtype
+            torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=HALF_ATOL)
 
 
 def test_optimizer_true_picks_stream_on_a_gpu(fresh_device):

@@ -96,14 +96,16 @@ def test_tied_embedding_across_stages_on_one_gpu(fp32_job):
 
 def test_no_pinning_in_the_hot_path_after_the_first_step(fp32_job):
     """After step 1 nothing asks for pinned memory: no Tensor.pin_memory or
-    pin_memory=True factory call, no new block or request in torch's pinned allocator,
+    pin_memory=True factory call, no new block in torch's pinned allocator,
     no new slab in myelin's host pool or send-staging pool (4 more steps and an eval)."""
     for rank, res in fp32_job.results.items():
         for case in EXACT + HOST:  # TIED runs gloo's CUDA all-reduce, which stages through
             pins = res[case]["pins"]  # pinned memory of its own
             assert pins["pinning_calls"] == 0, (case, rank, pins)
             assert not any(pins["pool_growth"].values()), (case, rank, pins)
-            assert not any(pins["host_allocator"].values()), (case, rank, pins)
+            # no new pinned block; requests from torch's pinned cache (each loss's `.item()`
+            # reads through a pinned scalar of torch's own) are not counted
+            assert pins["host_allocator"].get("num_host_alloc", 0) == 0, (case, rank, pins)
 
 
 def test_two_stages_on_one_gpu_in_bf16_within_tolerance(tmp_path):

@@ -127,13 +127,13 @@ def reference(name, precision, replicas, device):
 
 def poison_sends(trainer):
     """NaN in every staging buffer before its copy is queued; the copy stream held back."""
-    loop = trainer.loop
-    if loop._copy_stream is None:
+    box = trainer.loop.outbox
+    if box._copy_stream is None:
         return
-    send, empty = loop._send, loop._staging.empty
+    send, empty = box.send, box._staging.empty
 
     def slow_send(*args, **kwargs):
-        with torch.cuda.stream(loop._copy_stream):
+        with torch.cuda.stream(box._copy_stream):
             torch.cuda._sleep(DELAY_CYCLES)
         return send(*args, **kwargs)
 
@@ -143,8 +143,8 @@ def poison_sends(trainer):
             buf.view(torch.uint8).fill_(0xFF)  # NaN in every float format; -1 in integers
         return buf
 
-    loop._send = slow_send
-    loop._staging.empty = poisoned_empty
+    box.send = slow_send
+    box._staging.empty = poisoned_empty
 
 
 def break_events():
@@ -190,7 +190,7 @@ class PinCounter:
 
     def _pools(self):
         t = self.trainer
-        staging = t.loop._staging
+        staging = t.loop.outbox._staging
         return {
             "pool_grows": t.pool.grows if t.pool is not None else 0,
             "staging_grows": staging.grows if staging is not None else 0,
