@@ -77,7 +77,8 @@ class Run:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ctx = mp.get_context("spawn")
         self.store = SharedModel.create(self.params, 1 + cfg.cpu_workers,
-                                        self.ctx.Lock() if cfg.lock else None)  # fmt: skip
+                                        self.ctx.Lock() if cfg.lock else None,
+                                        timeout_s=cfg.timeout_s)  # fmt: skip
         self.ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
                               budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
         self.first_epoch = 0
@@ -254,7 +255,7 @@ class _Run:
             ready = wait(watch, timeout=max(timeout, 0))
             if next_eval is not None and time.perf_counter() - self.t0 >= next_eval:
                 wall = time.perf_counter() - self.t0
-                evaluator.submit_timed(self._seen(), wall, self.store.snapshot())
+                evaluator.submit_timed(self._seen(), wall, self._snapshot())
                 next_eval = (math.floor(wall / self.eval_every_s) + 1) * self.eval_every_s
             if not ready:
                 if time.monotonic() - heard < self.cfg.timeout_s:
@@ -276,7 +277,7 @@ class _Run:
                     if self.procs[w].sentinel not in ready:
                         continue
                 self.procs[w].join(5)
-                self._lost(w)
+                self._lost(w, evaluator)
             self._assign()
             stop = False
             while self.completed < len(self.disp.completed):
@@ -302,10 +303,26 @@ class _Run:
             raise PeerLostError(-1, "training", "Hogbatch: no worker is left to train")
 
     def _done(self, w: int, msg: dict[str, Any], evaluator: _Evaluator) -> None:
-        r = self._record(w, msg)
+        self._finish(w, self._record(w, msg), evaluator)
+
+    def _finish(self, w: int, r: Range, evaluator: _Evaluator) -> None:
         if self.disp.done(w, r):
             wall = time.perf_counter() - self.t0
-            evaluator.submit(r.epoch, wall, self.store.snapshot(), self._seen())
+            evaluator.submit(r.epoch, wall, self._snapshot(), self._seen())
+
+    def _snapshot(self) -> torch.Tensor:
+        """The shared weights. A worker that died holding the lock is found meanwhile and
+        the lock freed; past `timeout_s` a DeadlineError names the holder."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            try:
+                return self.store.snapshot(timeout_s=0.2)
+            except DeadlineError:
+                for w in sorted(self.alive):
+                    if not self.procs[w].is_alive():
+                        self.store.release_from(w)
+                if time.monotonic() > deadline:
+                    raise
 
     def _record(self, w: int, msg: dict[str, Any]) -> Range:
         """Count a `done` message: the update, its samples and time, and the rule's fit."""
@@ -332,11 +349,21 @@ class _Run:
         if msg["op"] != want:
             raise MyelinError(f"Hogbatch worker {w}: expected {want!r}, got {msg['op']!r}")
 
-    def _lost(self, w: int) -> None:
+    def _lost(self, w: int, evaluator: _Evaluator) -> None:
         code = self.procs[w].exitcode
         self.alive.discard(w)
         self.ctl.forget(w)
-        r = list(self.busy.pop(w, ()))
+        self.store.release_from(w)  # died holding the lock: the others would wait for ever
+        queue = self.busy.pop(w, deque())
+        # Ranges whose update is in the weights though their `done` never came (it died
+        # between the two): they are done, not to be trained again. Its counter says how many.
+        landed = int(self.store.counters[w]) - self.stats[w]["updates"]
+        for _ in range(min(landed, len(queue))):
+            r = queue.popleft()
+            self.stats[w]["updates"] += 1
+            self.stats[w]["samples"] += r.count
+            self._finish(w, r, evaluator)
+        r = list(queue)
         if self.cfg.on_worker_loss == "raise":
             raise PeerLostError(
                 w, f"training {r}", f"Hogbatch worker {w} died (exit code {code}) training {r}"

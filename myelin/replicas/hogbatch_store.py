@@ -7,7 +7,9 @@ reference code copies the GPU's whole model back over the host's). Lock-free by 
 (Hogwild: a race can lose one element's read-modify-write); with a lock, pulls and adds are
 serialised and the order of updates is the only nondeterminism. One int64 counter per
 worker, written only by its owner, gives versions: the version is their sum, and a worker's
-staleness is the version when it adds minus the version when it pulled.
+staleness is the version when it adds minus the version when it pulled. With a lock, a
+shared int says which worker holds it, so the runner can free it when that worker dies
+holding it (the others would wait on it for ever), and every wait for it is bounded.
 """
 
 from __future__ import annotations
@@ -18,35 +20,62 @@ from typing import Any
 
 import torch
 
+from myelin.errors import DeadlineError
+
 __all__ = ["SharedModel", "flat_grads", "load_flat"]
 
 
 class SharedModel:
     """The flat fp32 weights, the per-worker update counters and the optional lock."""
 
-    def __init__(self, weights: torch.Tensor, counters: torch.Tensor, lock: Any = None) -> None:
+    def __init__(self, weights: torch.Tensor, counters: torch.Tensor, lock: Any = None,
+                 owner: torch.Tensor | None = None, *, me: int = -1,
+                 timeout_s: float | None = None) -> None:  # fmt: skip
         self.weights = weights  # (P,) fp32, shared memory
         self.counters = counters  # (workers,) int64, shared memory
         self.lock = lock
+        self.owner = owner  # (1,) int64, shared memory: who holds the lock, -1 when free
+        self.me = me  # this process: a worker's index, -1 for the runner
+        self.timeout_s = timeout_s  # the longest wait for the lock (None: for ever)
 
     @classmethod
-    def create(cls, params: list[torch.Tensor], workers: int, lock: Any = None) -> SharedModel:
+    def create(cls, params: list[torch.Tensor], workers: int, lock: Any = None,
+               timeout_s: float | None = None) -> SharedModel:  # fmt: skip
         """A new segment holding a copy of `params` (any device or dtype, stored as fp32)."""
         flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        owner = None if lock is None else torch.full((1,), -1, dtype=torch.int64).share_memory_()
         return cls(flat.share_memory_(), torch.zeros(workers, dtype=torch.int64).share_memory_(),
-                   lock)  # fmt: skip
+                   lock, owner, timeout_s=timeout_s)  # fmt: skip
 
-    def handles(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def handles(self) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor | None]:
         """What a spawned worker needs to map the same model (pass as process arguments)."""
-        return self.weights, self.counters, self.lock
+        return self.weights, self.counters, self.lock, self.owner
 
     @contextlib.contextmanager
-    def _held(self) -> Iterator[None]:
+    def _held(self, timeout_s: float | None = None) -> Iterator[None]:
         if self.lock is None:
             yield
-        else:
-            with self.lock:
-                yield
+            return
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self.lock.acquire(timeout=timeout_s):
+            raise DeadlineError(
+                f"Hogbatch: the shared model's lock was not free within {timeout_s}s "
+                f"(held by worker {int(self.owner[0])})"
+            )
+        self.owner[0] = self.me
+        try:
+            yield
+        finally:
+            self.owner[0] = -1
+            self.lock.release()
+
+    def release_from(self, worker: int) -> bool:
+        """Free the lock if `worker`, now dead, holds it; whether it did."""
+        if self.lock is None or int(self.owner[0]) != worker:
+            return False
+        self.owner[0] = -1
+        self.lock.release()
+        return True
 
     def version(self) -> int:
         """Updates made so far by all workers together."""
@@ -72,9 +101,9 @@ class SharedModel:
             self.counters[worker] += 1
         return version
 
-    def snapshot(self) -> torch.Tensor:
+    def snapshot(self, timeout_s: float | None = None) -> torch.Tensor:
         """A private copy of the weights (for evaluation off the training path, checkpoints)."""
-        with self._held():
+        with self._held(timeout_s):
             return self.weights.clone()
 
     def load_into(self, params: list[torch.Tensor], flat: torch.Tensor | None = None) -> None:

@@ -93,7 +93,7 @@ class _Worker:
         self.device = torch.device(job["device"] if index == 0 else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.store = SharedModel(*shared)
+        self.store = SharedModel(*shared, me=index, timeout_s=job["timeout_s"])
         # a private copy: spawning hands every process the *same* shared-memory storage for
         # the pickled model's tensors, so without it all workers (and the runner's
         # evaluator) would compute on one parameter buffer
