@@ -79,7 +79,8 @@ class Hasher(nn.Module):
     def _codes(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         if self.family == "simhash":
-            per = (x @ self.projection > 0).long()  # (N, K*L) sign bits
+            # fp32 whatever the layer's dtype: the sign bits are the same for every copy
+            per = (x @ self.projection.float() > 0).long()  # (N, K*L) sign bits
         else:
             seen = x[:, self.coords]  # (N, K*L, bin)
             per = seen.argmax(2)

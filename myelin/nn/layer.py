@@ -131,10 +131,7 @@ class LSHSoftmax(SeededModule):
             return soft_target_loss(output, labels)
         self._maybe_rebuild()
         c = self.config
-        retrieved, row = self.tables.query(self.hasher(output.detach()))
-        if c.min_hits > 1:  # keep (row, class) pairs that enough of the row's tables return
-            pair, hits = torch.unique(row * self.num_classes + retrieved, return_counts=True)
-            retrieved = pair[hits >= c.min_hits] % self.num_classes
+        retrieved, _ = self._retrieve(output.detach())
         counts: dict[str, int] = {}
         active = active_set(
             self.num_classes, labels, retrieved, c.min_active, c.max_active, self._gen, counts
@@ -149,6 +146,16 @@ class LSHSoftmax(SeededModule):
         logits = torch.addmm(b, output, w.t())  # (B, A)
         pos = torch.where(labels >= 0, where[labels.clamp(min=0)], labels)
         return soft_target_loss(logits, pos)
+
+    def _retrieve(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (class, row) pairs the tables return for `h`, each held by at least
+        `min_hits` of that row's tables: in training and in LSH inference alike."""
+        ids, row = self.tables.query(self.hasher(h))
+        if self.config.min_hits > 1:
+            pair, hits = torch.unique(row * self.num_classes + ids, return_counts=True)
+            pair = pair[hits >= self.config.min_hits]
+            ids, row = pair % self.num_classes, pair // self.num_classes
+        return ids, row
 
     def _maybe_rebuild(self) -> None:
         """Count a training step; every check_every steps probe how far the classes active
@@ -178,14 +185,15 @@ class LSHSoftmax(SeededModule):
             raise ConfigError(f"inference={mode!r} must be one of {INFERENCE}")
         if mode == "exact":
             return F.linear(h, self.weight, self.bias)
-        ids, row = self.tables.query(self.hasher(h))
+        ids, row = self._retrieve(h)
         active = torch.unique(ids)
         where = torch.full((self.num_classes,), -1, dtype=torch.long, device=h.device)
         where[active] = torch.arange(active.numel(), device=h.device)
         part = torch.addmm(self.bias[active], h, self.weight[active].t())  # (B, A)
         mine = torch.zeros_like(part, dtype=torch.bool)
         mine[row, where[ids]] = True
-        out = torch.full((h.shape[0], self.num_classes), -math.inf, device=h.device)
+        out = torch.full((h.shape[0], self.num_classes), -math.inf, device=h.device,
+                         dtype=part.dtype)  # fmt: skip
         out[:, active] = part.masked_fill(~mine, -math.inf)
         return out
 

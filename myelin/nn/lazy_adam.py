@@ -45,7 +45,10 @@ class LazyAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Update every parameter that has a gradient, only on the rows it touched."""
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # as torch's optimizers: the closure runs backward
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -63,6 +66,12 @@ class LazyAdam(torch.optim.Optimizer):
             state["step"] = torch.zeros(rows_of.shape[0], dtype=torch.long, device=p.device)
         grad = p.grad
         if grad.is_sparse:
+            if grad.sparse_dim() != 1:
+                raise ValueError(
+                    f"LazyAdam: a sparse gradient must be sparse in its rows only (sparse_dim "
+                    f"1); got sparse_dim {grad.sparse_dim()} for a parameter of shape "
+                    f"{tuple(p.shape)}"
+                )
             grad = grad.coalesce()
             rows = grad.indices()[0]
             g = grad.values().reshape(rows.numel(), -1)

@@ -192,7 +192,15 @@ def _rows(cfg: XCConfig, g: torch.Generator, prior, prototypes, split, n: int) -
     feats = torch.cat([proto.reshape(n, -1), noise], 1)
     fkeep = torch.cat([keep.reshape(n, -1), torch.ones(n, cfg.noise, dtype=torch.bool)], 1)
     counts = fkeep.sum(1)
-    weights = torch.rsqrt(counts.float())[:, None].expand_as(feats)
+    # A feature can repeat in a row (labels of a topic share features; noise may repeat
+    # one), and repeats add up: the row's norm is sqrt(sum of its features' multiplicity
+    # squared), so each entry is weighted by one over that, for a norm of exactly 1.
+    row_of = torch.arange(n)[:, None].expand_as(feats)[fkeep]
+    _, where, mult = torch.unique(row_of * cfg.num_features + feats[fkeep], return_inverse=True,
+                                  return_counts=True)  # fmt: skip
+    sq = torch.zeros(n).index_add_(0, row_of, mult[where].float())  # sum of mult^2 per row
+    weights = torch.zeros(feats.shape)
+    weights[fkeep] = torch.rsqrt(sq)[row_of]
     rows = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
     lcounts = valid.sum(1)
     label_rows = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lcounts, 0)])

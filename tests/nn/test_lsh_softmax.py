@@ -287,3 +287,52 @@ def test_the_layers_random_draws_are_not_torchs_global_stream_for_the_same_seed(
     again = LSHSoftmax(H, C, seed=seed, bits=8, tables=8)
     assert torch.equal(again.weight, head.weight)
     assert torch.equal(again.hasher.projection, head.hasher.projection)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_simhash_layer_in_another_dtype_trains(dtype):
+    head = LSHSoftmax(H, C, bits=4, tables=3, min_active=20).to(dtype)
+    h = torch.randn(5, H, dtype=dtype, requires_grad=True)
+    head(h, _labels(5)).backward()
+    assert head.weight.grad is not None and h.grad.dtype == dtype
+    head.eval()
+    assert head(h.detach(), inference="lsh").dtype == dtype
+
+
+def test_lsh_inference_keeps_only_classes_held_by_min_hits_tables_as_training_does():
+    torch.manual_seed(0)
+    head = LSHSoftmax(8, 500, bits=2, tables=4, min_hits=2, min_active=0, bucket_cap=500)
+    h = torch.randn(3, 8)
+    ids, row = head.tables.query(head.hasher(h))
+    pairs, hits = torch.unique(row * 500 + ids, return_counts=True)
+    held = pairs[hits >= 2]
+    assert 0 < held.numel() < pairs.numel()  # min_hits=2 drops some pairs here
+    head.eval()
+    finite = torch.isfinite(head(h, inference="lsh"))
+    got = finite.nonzero()
+    assert torch.equal(got[:, 0] * 500 + got[:, 1], held)
+
+
+def test_lazy_adam_runs_a_closure_with_gradients_and_returns_its_loss():
+    head = LSHSoftmax(H, C, bits=4, tables=3)
+    opt = LazyAdam(head.parameters(), lr=0.1)
+    h, labels = torch.randn(4, H), _labels(4)
+    before = head.weight.detach().clone()
+
+    def closure():
+        opt.zero_grad()
+        loss = head(h, labels)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.requires_grad and not torch.equal(head.weight.detach(), before)
+
+
+def test_lazy_adam_refuses_a_gradient_sparse_in_more_than_its_rows():
+    p = nn.Parameter(torch.zeros(3, 4))
+    opt = LazyAdam([p], lr=0.1)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 0], [1, 2]]), torch.tensor([1.0, -1.0]),
+                                     (3, 4))  # fmt: skip
+    with pytest.raises(ValueError, match=r"sparse_dim 2 for a parameter of shape \(3, 4\)"):
+        opt.step()

@@ -39,15 +39,30 @@ def test_labels_follow_a_power_law_over_unsorted_ids_and_co_occur_within_topics(
     assert share.float().mean() > 5 * chance.float().mean()
 
 
+def _dense(b, width):
+    """The batch's rows as dense vectors, a repeated feature's values added up (as the
+    example's `index_put_(..., accumulate=True)` does)."""
+    ends = torch.cat([b.offsets[1:], torch.tensor([b.features.numel()])])
+    row = torch.repeat_interleave(torch.arange(len(b.offsets)), ends - b.offsets)
+    x = torch.zeros(len(b.offsets), width)
+    return x.index_put_((row, b.features), b.weights, accumulate=True)
+
+
+def test_rows_with_a_repeated_feature_are_normalised_once_it_is_added_up():
+    data = make_xc(SMALL, seed=0)
+    b = next(data.train.batches(data.train.rows.numel() - 1, seed=0))
+    x = _dense(b, SMALL.num_features)
+    ends = torch.cat([b.offsets[1:], torch.tensor([b.features.numel()])])
+    repeats = (x != 0).sum(1) < ends - b.offsets  # fewer distinct features than entries
+    assert repeats.any(), "no row repeats a feature: the check below tests nothing"
+    assert torch.allclose(x.norm(dim=1), torch.ones(len(x)), atol=1e-5)
+
+
 def test_batches_are_sparse_bags_normalised_with_padded_labels():
     data = make_xc(SMALL, seed=0)
     b = next(data.train.batches(16, seed=3))
     assert b.labels.shape[0] == 16 and (b.labels[:, 0] >= 0).all()
-    ends = torch.cat([b.offsets[1:], torch.tensor([b.features.numel()])])
-    norms = torch.zeros(16).index_add_(
-        0, torch.repeat_interleave(torch.arange(16), ends - b.offsets), b.weights**2
-    )
-    assert torch.allclose(norms, torch.ones(16), atol=1e-5)
+    assert torch.allclose(_dense(b, SMALL.num_features).norm(dim=1), torch.ones(16), atol=1e-5)
     assert 0.5 < data.ceilings["seen_label"] <= 1 and 0.5 < data.ceilings["oracle_p1"] <= 1
     assert sum(len(x) for x in data.test.batches(128)) == 500
 
