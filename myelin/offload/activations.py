@@ -355,8 +355,9 @@ class ActivationStore:
         page.early = early
 
     def _need(self, page: Page, start: float) -> None:
-        """Backward needs `page` now (it asked at `start`): count a hit or a miss, once,
-        and wait until it is back; the time since `start` of a miss is time it waited."""
+        """Backward needs `page` now (it asked at `start`): count a hit or a miss, once.
+        A page not back yet is waited for by the compute stream (`Copier.view`), not the
+        host, which keeps its lead over the GPU; the host time of a miss is its wait."""
         if page.original or (page.counted and page.device_copy is not None):
             return  # the forward's own storage, or counted already and still here
         if page.device_copy is None:  # not brought back: a schedule this store did not foresee
@@ -370,8 +371,6 @@ class ActivationStore:
         else:
             if not page.counted:
                 self.stats.prefetch_misses += 1
-            if not done:
-                page.ready.synchronize()
             end = time.perf_counter()
             self.stats.wait_s += end - start
             self._waits.append((page.mb, start, end))

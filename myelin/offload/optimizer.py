@@ -171,8 +171,8 @@ class Updater:
             for b in range(len(self._buckets)):
                 if b not in self._copied:
                     self._copy_grads(b)
-            if self.scaler is not None:  # the overflow check reads every host gradient
-                for event in self._copied.values():
+            if self.scaler is not None or self.clip is not None:  # they read every host
+                for event in self._copied.values():  # gradient: its copy must have landed
                     if event is not None:
                         event.synchronize()
         elif self.mode == "device":

@@ -71,6 +71,7 @@ class Copier:
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
         self.moves = cuda  # whether pages are copied (else saved tensors are kept as they are)
+        self._deferred: list[tuple[Any, torch.Tensor]] = []  # (copy's event, host memory)
 
     def own(self, storage: torch.UntypedStorage) -> torch.Tensor | torch.UntypedStorage:
         """The forward's own `storage` as a page's device copy: on a GPU uint8 over it, which
@@ -86,6 +87,7 @@ class Copier:
             pool.adopt(page.nbytes, what=what)
             page.host = src
             return
+        self.reap(pool)
         page.host = pool.empty((page.nbytes,), torch.uint8, what=what)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -110,15 +112,24 @@ class Copier:
         return dev
 
     def free(self, page: Page, pool: HostPool) -> None:
-        """Give the page's host memory back to the pool (on a GPU the page's last use is on
-        the side stream, which any later use of that memory also runs on: no wait)."""
+        """Give the page's host memory back to the pool; on a GPU once its last copy has
+        read it (backward waits for a copy on the device, not the host, so a page can be
+        used up while its copy back is still queued)."""
         if page.host is None:
             return
         if self._stream is None:
             pool.disown(page.nbytes)
+        elif page.ready is not None and not page.ready.query():
+            self._deferred.append((page.ready, page.host))
         else:
             pool.free(page.host)
         page.host = None
+        self.reap(pool)
+
+    def reap(self, pool: HostPool) -> None:
+        """Give back the host memory of pages whose last copy has finished since."""
+        while self._deferred and self._deferred[0][0].query():
+            pool.free(self._deferred.pop(0)[1])
 
     @staticmethod
     def done(page: Page) -> bool:

@@ -54,6 +54,11 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def pinned_block(n: int) -> int:
+    """The bytes torch's pinned allocator holds for a request of `n`: a power of two."""
+    return 1 << (n - 1).bit_length()
+
+
 def human_bytes(n: int) -> str:
     """Format a byte count for error messages and logs: 1536 -> '1.5 KiB', 100 -> '100 B'."""
     sign, n = ("-", -n) if n < 0 else ("", n)
@@ -379,16 +384,21 @@ class HostPool:
         nothing. Near the limit the slab shrinks to the room left rather than failing."""
         slab_bytes = min(self._slab_bytes, _LASTING_SLAB) if lasting else self._slab_bytes
         target = slab_bytes if need <= slab_bytes else _round_up(need, _MIB)
+        # torch's pinned allocator rounds every block up to a power of two: ask for that
+        # (and count it), so the pool's figures and its limit are what is pinned
+        block = pinned_block if self._pin else int
+        target = block(target)
         if self._limit is not None:
             room = (self._limit - self._capacity - self._adopted) // ALIGN * ALIGN
-            if need > room:
+            if block(need) > room:
                 raise HostMemoryError(
                     f"host memory pool limit reached: {what} needs {human_bytes(need)}, "
                     f"{human_bytes(self._in_use)} is in use of {human_bytes(self._capacity)} "
                     f"in {len(self._slabs)} slabs, and the limit (host_memory_limit) is "
                     f"{human_bytes(self._limit)}; {_FIX_HINT}"
                 )
-            target = min(target, room)
+            if target > room:
+                target = 1 << (room.bit_length() - 1) if self._pin else room
         self._check_machine(target, what)
         try:
             data = torch.empty(target, dtype=torch.uint8, pin_memory=self._pin)

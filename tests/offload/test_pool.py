@@ -378,3 +378,25 @@ def test_threads_allocate_and_free_concurrently():
         th.join(timeout=30)
     assert not errors, errors
     assert pool.in_use_bytes == 0 and pool.stats()["allocations"] == 0
+
+
+def test_a_pinned_pool_grows_by_the_power_of_two_blocks_torch_pins(monkeypatch):
+    """torch's pinned allocator rounds each block up to a power of two: the pool asks for
+    that much and counts it, so its capacity and its limit are what is really pinned.
+    (No pinned memory on a CPU: the allocation is made plain, the sizing is the pool's.)"""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    mib = 1 << 20
+    pool = HostPool(7 * mib, slab_bytes=4 * mib, reserve_fraction=0.0)
+    pool._pin = True  # as on a GPU machine
+    pool.empty((3 * mib,), torch.uint8, what="a page")  # within one 4 MiB slab
+    with pytest.raises(HostMemoryError, match="limit reached"):  # 3 MiB would pin 4 MiB,
+        pool.empty((3 * mib,), torch.uint8, what="another")  # past the 3 MiB left
+    pool.empty((2 * mib,), torch.uint8, what="a smaller one")  # a new slab
+    assert pool.capacity_bytes == 6 * mib  # 4, then 2: the largest block within the limit
+    with pytest.raises(HostMemoryError, match="limit reached"):
+        pool.empty((2 * mib,), torch.uint8, what="a third")
+    big = HostPool(slab_bytes=mib, reserve_fraction=0.0)
+    big._pin = True
+    big.empty((3 * mib,), torch.uint8, what="past one slab")
+    assert big.capacity_bytes == 4 * mib
