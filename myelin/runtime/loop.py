@@ -138,7 +138,7 @@ class EventLoop:
         """
         stage = self.stage
         ready, local = self._begin(step, inputs, targets, rows)
-        self._losses: dict[int, float] = {}
+        self._losses: dict[int, float | torch.Tensor] = {}  # a tensor: this stage's own
         if stage.activations is not None:
             stage.activations.begin_step()
         if self.updater is not None and self.updater.scaler is not None:
@@ -266,9 +266,10 @@ class EventLoop:
             return None
         return self._rows[mb] / sum(self._rows.values())
 
-    def _mean(self, losses: dict[int, float], rows: dict[int, int]) -> float:
+    def _mean(self, losses: dict[int, Any], rows: dict[int, int]) -> float:
         """The step's loss: the mean, by rows if uneven; a StepLoss's shares: their sum."""
         m = self.config.microbatches
+        losses = {i: float(v) for i, v in losses.items()}  # the one wait for the device
         if self.stage.shares:
             return self.stage.step_loss([losses[i] for i in range(m)])
         rows = rows or dict.fromkeys(range(m), 1)  # x * 1 and the count are exact
@@ -340,7 +341,7 @@ class EventLoop:
             ready.weights.append(mb)
         self.stats.backwards += 1
         if not stage.is_first:
-            meta = {"index": in_index, "loss": loss}
+            meta = {"index": in_index, "loss": float(loss)}
             if mb in self.inbox.rows:
                 meta["rows"] = self.inbox.rows[mb]
             self.outbox.send(self._step, stage.index - 1, "gradient", mb, in_grads, meta)

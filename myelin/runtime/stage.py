@@ -175,11 +175,13 @@ class Stage:
         """The step's loss from its microbatches' losses, in microbatch order."""
         return step_loss(self.loss_fn, losses)
 
-    def loss(self, mb: int) -> float:
-        """The unscaled loss of microbatch `mb` (last stage only, after its forward)."""
+    def loss(self, mb: int) -> torch.Tensor:
+        """The unscaled loss of microbatch `mb` (last stage only, after its forward), on the
+        device: read as a number at the step's end, so the host is not held back by each
+        microbatch's (on a GPU `float()` waits for everything queued before it)."""
         flight = self._flights[mb]
         assert flight.loss is not None
-        return float(flight.loss)
+        return flight.loss.detach()
 
     def backward(
         self,
