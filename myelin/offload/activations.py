@@ -435,6 +435,8 @@ class ActivationStore:
         self.budget.add("activations", -entry.resident, "")
 
     def begin_step(self) -> None:
+        if self.pool is not None:
+            self._copier.reap(self.pool)  # pages used up last step, their copies landed since
         self.stats.offloaded_step_bytes = 0
         self.stats.fetched_step_bytes = 0
         self.stats.resident_step_bytes = 0
