@@ -87,7 +87,6 @@ class Copier:
             pool.adopt(page.nbytes, what=what)
             page.host = src
             return
-        self.reap(pool)
         page.host = pool.empty((page.nbytes,), torch.uint8, what=what)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -119,7 +118,7 @@ class Copier:
             return
         if self._stream is None:
             pool.disown(page.nbytes)
-        elif page.ready is not None and not page.ready.query():
+        elif not self.done(page):
             self._deferred.append((page.ready, page.host))
         else:
             pool.free(page.host)
