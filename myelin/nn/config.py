@@ -32,6 +32,10 @@ class LSHConfig:
         random probe of the classes active since the last build (the only rows that can
         have moved) has changed since that build.
     check_every: training steps between those probes (a probe costs probe_rows hashes).
+    redraw_every: every this many training steps, draw new hash functions and rehash every
+        class (SLIDE's "rebuild", every 1000 batches in its code); None: never (the tables
+        are still rehashed as the weights move). New functions break up classes that one
+        draw happens to keep in an overfull bucket.
     probe_rows: most classes hashed by a probe.
     inference: default for eval-mode forward: "exact" (all logits) or "lsh" (only the
         retrieved classes of each sample; the rest -inf).
@@ -49,6 +53,7 @@ class LSHConfig:
     rebuild_threshold: float = 0.1
     check_every: int = 20
     probe_rows: int = 2048
+    redraw_every: int | None = None
     inference: str = "exact"
     seed: int = 0
 
@@ -67,6 +72,8 @@ class LSHConfig:
             _int("max_active", self.max_active, 1, 1 << 40)
         _int("check_every", self.check_every, 1, 1 << 40)
         _int("probe_rows", self.probe_rows, 1, 1 << 40)
+        if self.redraw_every is not None:
+            _int("redraw_every", self.redraw_every, 1, 1 << 40)
         _int("seed", self.seed, 0, 2**63 - 1)
         if self.family == "dwta" and self.code_bits > 30:
             raise ConfigError(

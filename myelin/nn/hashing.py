@@ -10,7 +10,8 @@ Two families, both vectorised over rows and tables (no Python loop over either):
   at `bin_size` random coordinates and keeps the position of the largest; a hash whose
   coordinates are all zero (common for sparse or ReLU vectors) borrows the code of
   another hash of the same row ("densification"), trying up to `DENSIFY_TRIES` others.
-Hash functions are buffers, so they are saved with the layer and travel with `.to()`.
+Hash functions are buffers, so they are saved with the layer and travel with `.to()`;
+`redraw(g)` replaces them with the g-th draw of the same seed (SLIDE's periodic rebuild).
 """
 
 from __future__ import annotations
@@ -53,18 +54,35 @@ class Hasher(nn.Module):
         self.bin_size = bin_size
         per_hash = 1 if family == "simhash" else (bin_size - 1).bit_length()
         self.code_bits = bits * per_hash  # a table's code is < 2 ** code_bits
-        g = torch.Generator().manual_seed(stream_seed(seed, "hash"))
-        n = bits * tables
-        if family == "simhash":
-            self.register_buffer("projection", torch.randn(dim, n, generator=g))
-            self.register_buffer("coords", torch.zeros(0, dtype=torch.long))
-        else:
-            coords = torch.stack([torch.randperm(dim, generator=g)[:bin_size] for _ in range(n)])
-            self.register_buffer("projection", torch.zeros(0))
-            self.register_buffer("coords", coords)  # (K*L, bin): the coordinates each hash sees
-        # densification: hash j borrows from hash (j + shift[t]) % (K*L) on try t
-        self.register_buffer("shift", torch.randint(1, max(n, 2), (DENSIFY_TRIES,), generator=g))
+        self.seed = seed
+        for name, value in self._draw(0).items():
+            self.register_buffer(name, value)
         self.register_buffer("place", torch.arange(bits) * per_hash)  # bit offset of hash k
+
+    def _draw(self, generation: int) -> dict[str, torch.Tensor]:
+        """The hash functions of `generation` (0: the first; SLIDE draws new ones now and
+        then): projections (simhash) or coordinates (dwta), and densification's shifts."""
+        purpose = "hash" if generation == 0 else f"hash/{generation}"
+        g = torch.Generator().manual_seed(stream_seed(self.seed, purpose))
+        n, dim = self.bits * self.tables, self.dim
+        if self.family == "simhash":
+            projection = torch.randn(dim, n, generator=g)
+            coords = torch.zeros(0, dtype=torch.long)
+        else:
+            projection = torch.zeros(0)
+            # (K*L, bin): the coordinates each hash sees
+            coords = torch.stack(
+                [torch.randperm(dim, generator=g)[: self.bin_size] for _ in range(n)]
+            )
+        # densification: hash j borrows from hash (j + shift[t]) % (K*L) on try t
+        shift = torch.randint(1, max(n, 2), (DENSIFY_TRIES,), generator=g)
+        return {"projection": projection, "coords": coords, "shift": shift}
+
+    @torch.no_grad()
+    def redraw(self, generation: int) -> None:
+        """Replace the hash functions by those of `generation`, in place (device kept)."""
+        for name, value in self._draw(generation).items():
+            getattr(self, name).copy_(value)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:

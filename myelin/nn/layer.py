@@ -15,12 +15,13 @@ One training step (SLIDE, with Mongoose's batch-level engine):
    active set; loss = mean over rows of -sum over its labels of log p / |labels| (SLIDE's
    soft multi-label target);
 3. backward gives W and b sparse gradients: only the A active rows (LazyAdam steps them);
-4. every `check_every` steps a probe rehashes up to probe_rows random classes among those
-   active since the last build (only they can have moved: a class's row changes only
-   when it is active); once the share of their codes that changed reaches
-   rebuild_threshold, every class is rehashed. (A probe of random classes of all C saw
-   mostly untouched rows, so it rebuilt late while the retrieved rows, the ones trained
-   each step, went stale.)
+4. every `redraw_every` steps (if set) new hash functions are drawn and every class is
+   rehashed (SLIDE's rebuild); every `check_every` steps a probe rehashes up to
+   probe_rows random classes among those active since the last build (only they can
+   have moved: a class's row changes only when it is active); once the share of their
+   codes that changed reaches rebuild_threshold, every class is rehashed. (A probe of
+   random classes of all C saw mostly untouched rows, so it rebuilt late while the
+   retrieved rows, the ones trained each step, went stale.)
 
 In a myelin pipeline the labels reach the last stage through the loss function, not the
 module: with `loss_fn=head.loss`, a training forward without labels returns h unchanged
@@ -87,14 +88,21 @@ class LSHSoftmax(SeededModule):
         self.tables = LSHTables(self.hasher, num_classes, config.bucket_cap, config.seed)
         self._seed(stream_seed(config.seed, "floor"))  # the floor's and probes' generator
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("draws", torch.zeros((), dtype=torch.long))  # hash redraws so far
         # classes active in training since the last build: the only rows that can have moved
         self.register_buffer("moved", torch.zeros(num_classes, dtype=torch.bool))
         self.active = torch.zeros(0, dtype=torch.long)
         # what happened in this process (not saved): rehashes, probes, last probe's change,
         # the last active set's size and its labels, retrieved (not labels) and floor classes
-        self.stats = {"rebuilds": 0, "checks": 0, "last_change": 0.0, "last_active": 0}
+        self.stats = {"rebuilds": 0, "redraws": 0, "checks": 0, "last_change": 0.0}
+        self.stats["last_active"] = 0
         self.stats.update(last_labels=0, last_retrieved=0, last_floor=0)
         self.rebuild()
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:
+        # checkpoints from before hash redraws: no redraw yet (as BatchNorm's counter)
+        state_dict.setdefault(prefix + "draws", torch.zeros((), dtype=torch.long))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kw)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -162,7 +170,14 @@ class LSHSoftmax(SeededModule):
         since the last build moved, and rehash everything when it passed the threshold."""
         self.steps += 1
         c = self.config
-        if int(self.steps) % c.check_every:
+        step = int(self.steps)
+        if c.redraw_every is not None and step % c.redraw_every == 0:
+            self.draws += 1
+            self.hasher.redraw(int(self.draws))
+            self.stats["redraws"] += 1
+            self.rebuild()
+            return
+        if step % c.check_every:
             return
         moved = self.moved.nonzero().squeeze(1)
         change = 0.0
@@ -215,7 +230,8 @@ def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 def _as_label_matrix(labels: Any, rows: int, num_classes: int) -> torch.Tensor:
-    """Labels as (B, M) int64 with -1 padding; a (B,) vector is one label per row."""
+    """Labels as (B, M) int64 with -1 padding; a (B,) vector is one label per row. A
+    label repeated within a row counts once (SLIDE's target is 1/|Y| over the label set)."""
     if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point:
         raise ConfigError(f"labels must be an integer tensor, got {type(labels).__name__}")
     labels = labels.long()
@@ -227,6 +243,13 @@ def _as_label_matrix(labels: Any, rows: int, num_classes: int) -> torch.Tensor:
         )
     if labels.numel() and int(labels.max()) >= num_classes:
         raise ConfigError(f"labels hold {int(labels.max())}, but num_classes={num_classes}")
+    if labels.numel() and int(labels.min()) < -1:
+        raise ConfigError(f"labels hold {int(labels.min())}: class ids are >= 0, -1 pads a row")
+    if labels.shape[1] > 1:  # a label given twice in a row is one label (the target is a set)
+        labels = labels.sort(dim=1).values
+        again = torch.zeros_like(labels, dtype=torch.bool)
+        again[:, 1:] = (labels[:, 1:] == labels[:, :-1]) & (labels[:, 1:] >= 0)
+        labels = labels.masked_fill(again, -1)
     return labels
 
 

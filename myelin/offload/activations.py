@@ -33,18 +33,17 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from myelin.offload.budget import DeviceBudget
-from myelin.offload.layers import Ahead, Reach, find_layers
+from myelin.offload.layers import Ahead, find_layers
 from myelin.offload.pages import Copier, Page, View
 from myelin.offload.pool import HostPool
+from myelin.offload.saved import ActivationStats, SavedMicrobatch, SavedTally
 
 __all__ = ["ActivationStore", "ActivationStats"]
 
@@ -52,39 +51,6 @@ __all__ = ["ActivationStore", "ActivationStats"]
 # bigger (q, k and v are each a third of one projection); a small view of a big buffer stays.
 _MAX_STORAGE_RATIO = 4
 _AGAIN = " after backward had used them all: retain_graph=True is not supported with offload"
-
-
-@dataclass(slots=True)
-class ActivationStats:
-    """Counters over the life of a store (`*_step_*`: the last step only)."""
-
-    offloaded_bytes: int = 0  # paged out since the start
-    offloaded_step_bytes: int = 0
-    fetched_step_bytes: int = 0  # brought back in the last step
-    resident_step_bytes: int = 0  # would-be pages of the last step that never left
-    pages: int = 0  # pages made (paged out) since the start
-    layers: int = 0  # layers of the last microbatch saved
-    prefetch_hits: int = 0  # pages already back when backward needed them
-    prefetch_misses: int = 0  # pages backward had to wait for
-    wait_s: float = 0.0  # time backward waited for pages
-
-
-@dataclass(slots=True)
-class _Microbatch:
-    pages: list[Page] = field(default_factory=list)  # by seq: the order of last saves
-    kept: dict[int, int] = field(default_factory=dict)  # storage pointer -> bytes on device
-    resident: int = 0  # bytes this microbatch holds on the device
-    layer: int = 0  # the forward's current layer, then the last layer
-    layer_bytes: list[int] = field(default_factory=lambda: [0])  # page bytes per layer
-    window: int = 0  # Ahead.window at layer `window_at`: its earlier layers' bytes, so kept
-    window_at: int = -1  # until one of their pages moves (-1: none; layer 0 grows as it goes)
-    seq: int = 0
-    originals: deque[Page] = field(default_factory=deque)  # the forward's storage, by seq
-    held: int = 0  # bytes of `originals`
-    position: int | None = None  # index of the page backward is at; None before backward
-    cursor: int = 0  # pages[cursor:] were brought back (or never left)
-    reach: Reach | None = None  # the window below each page, once the forward is done
-    fetching: str = ""  # "bringing back activations of microbatch N", for errors
 
 
 class _Used(weakref.ref):
@@ -121,13 +87,15 @@ class ActivationStore:
         self.stats = ActivationStats()
         # Parameters and buffers: autograd saves them too, but they are never copied.
         self._persistent = {t.untyped_storage().data_ptr() for t in persistent}
-        self._mbs: dict[int, _Microbatch] = {}
-        self._saving: _Microbatch | None = None  # the microbatch whose forward runs
+        self._mbs: dict[int, SavedMicrobatch] = {}
+        self._saving: SavedMicrobatch | None = None  # the microbatch whose forward runs
         self._hooks: list[Any] = []
         self._waits: list[tuple[int, float, float]] = []  # (mb, start, end), perf_counter
         self._unpacked: dict[int, _Used] = {}  # id -> a view backward holds, with its page
         self._copier = Copier(self.device)
         self._on_used = self._used  # bound once: the unpack hook passes it per view
+        # a count for the hooks to skip, where nothing pages and no accounted limit is checked
+        self.tally = SavedTally(pool is None and (budget.limit_bytes is None or budget.measured))
 
     @property
     def pages_out(self) -> bool:
@@ -147,13 +115,19 @@ class ActivationStore:
 
     @contextlib.contextmanager
     def saving(
-        self, mb: int, keep: Iterable[torch.Tensor] = (), backward_next: bool = False
+        self,
+        mb: int,
+        keep: Iterable[torch.Tensor] = (),
+        backward_next: bool = False,
+        sig: tuple | None = None,
     ) -> Iterator[None]:
         """Run the forward of microbatch `mb` under hooks that account and page out what
         autograd saves. `keep`: tensors the stage holds anyway (its inputs), which copying
         would not free. `backward_next`: its backward runs right after, so its last layers
-        stay on the device; otherwise every page leaves by the end of the forward."""
-        entry = self._mbs.setdefault(mb, _Microbatch())
+        stay on the device; otherwise every page leaves by the end of the forward. `sig`:
+        what determines the saved bytes (saved.signature); where nothing pages, a known
+        signature's count is reused without the hooks."""
+        entry = self._mbs.setdefault(mb, SavedMicrobatch())
         held = {t.untyped_storage().data_ptr() for t in keep}
         # storage pointer -> (a live tensor on it, its page): views of one storage share a
         # page. The tensor is held weakly and checked, as a freed address can be reused.
@@ -208,11 +182,19 @@ class ActivationStore:
             return t
 
         self._saving = entry
+        known = None if paging else self.tally.known(sig)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(
-                pack if paging else account, self._unpack
-            ):
+            if known is not None:  # these inputs' saved bytes are known (saved.py): no hooks
+                self._grow(entry, known, doing)
                 yield
+            else:
+                before = entry.resident
+                with torch.autograd.graph.saved_tensors_hooks(
+                    pack if paging else account, self._unpack
+                ):
+                    yield
+                if not paging:
+                    self.tally.record(sig, entry.resident - before)
             while entry.originals and not backward_next:
                 self._copy_out(entry, entry.originals.popleft())
             self.stats.layers = entry.layer + 1
@@ -224,7 +206,7 @@ class ActivationStore:
         finally:
             self._saving = None
 
-    def _touch(self, entry: _Microbatch, page: Page, storage: torch.UntypedStorage) -> None:
+    def _touch(self, entry: SavedMicrobatch, page: Page, storage: torch.UntypedStorage) -> None:
         """`page` is saved again, by a later layer: backward needs it first there. If it left
         the device already, the forward still holds its storage: keep that, no round trip."""
         entry.pages.remove(page)
@@ -247,7 +229,7 @@ class ActivationStore:
             entry.layer += 1
             entry.layer_bytes.append(0)
 
-    def _trim(self, entry: _Microbatch) -> None:
+    def _trim(self, entry: SavedMicrobatch) -> None:
         """Page out the oldest of what the forward holds until what is left below its last
         page fits the window backward will want there (at least one page, unless none)."""
         originals = entry.originals
@@ -261,7 +243,7 @@ class ActivationStore:
                 return
             self._copy_out(entry, originals.popleft())
 
-    def _copy_out(self, entry: _Microbatch, page: Page) -> None:
+    def _copy_out(self, entry: SavedMicrobatch, page: Page) -> None:
         """Copy `page` to the host pool (unless it is there already) and drop it from the
         device."""
         assert self.pool is not None and page.device_copy is not None
@@ -274,7 +256,7 @@ class ActivationStore:
         self._drop(entry, page)
 
     def _keep(
-        self, entry: _Microbatch, t: torch.Tensor, ptr: int, size: int, doing: str
+        self, entry: SavedMicrobatch, t: torch.Tensor, ptr: int, size: int, doing: str
     ) -> torch.Tensor:
         """Account `t`'s storage (`size` bytes at `ptr`) once; it stays where it is."""
         if ptr not in entry.kept:
@@ -282,18 +264,18 @@ class ActivationStore:
             entry.kept[ptr] = size
         return t
 
-    def _grow(self, entry: _Microbatch, nbytes: int, doing: str) -> None:
+    def _grow(self, entry: SavedMicrobatch, nbytes: int, doing: str) -> None:
         self.budget.add("activations", nbytes, doing)
         entry.resident += nbytes
 
     def _hold(
-        self, entry: _Microbatch, page: Page, storage: torch.UntypedStorage, doing: str
+        self, entry: SavedMicrobatch, page: Page, storage: torch.UntypedStorage, doing: str
     ) -> None:
         """Keep the forward's own storage as `page` on the device (accounted, checked)."""
         self._grow(entry, page.nbytes, doing)
         page.device_copy, page.original = self._copier.own(storage), True
 
-    def _drop(self, entry: _Microbatch, page: Page) -> None:
+    def _drop(self, entry: SavedMicrobatch, page: Page) -> None:
         """Take `page` off the device (no longer accounted)."""
         if page.device_copy is not None:
             page.device_copy, page.original = None, False
@@ -328,7 +310,7 @@ class ActivationStore:
         self._advance(entry, len(entry.pages) - 1)
         self._need(entry.pages[-1], start)
 
-    def _advance(self, entry: _Microbatch, pos: int) -> None:
+    def _advance(self, entry: SavedMicrobatch, pos: int) -> None:
         """Backward is at `entry.pages[pos]`: bring back what it needs there, and start the
         copies of what it needs next."""
         entry.position = pos
@@ -337,7 +319,7 @@ class ActivationStore:
         if low < entry.cursor:
             self._bring_back(entry, low, pos)
 
-    def _bring_back(self, entry: _Microbatch, low: int, now: int) -> int:
+    def _bring_back(self, entry: SavedMicrobatch, low: int, now: int) -> int:
         """Start copying back the pages from index `low` up that are off the device and
         not used up; those below `now` come early. Returns their bytes."""
         nbytes = 0
@@ -349,7 +331,7 @@ class ActivationStore:
         self.stats.fetched_step_bytes += nbytes
         return nbytes
 
-    def _copy_in(self, entry: _Microbatch, page: Page, early: bool) -> None:
+    def _copy_in(self, entry: SavedMicrobatch, page: Page, early: bool) -> None:
         self._grow(entry, page.nbytes, entry.fetching)
         page.device_copy, page.original = self._copier.copy_in(page), False
         page.early = early

@@ -239,6 +239,7 @@ def test_checkpoint_resume_restores_layer_optimizer_state_and_tables():
         ({"min_hits": 17, "tables": 16}, "min_hits"),
         ({"rebuild_threshold": 0.0}, "rebuild_threshold"),
         ({"check_every": 0}, "check_every"),
+        ({"redraw_every": 0}, "redraw_every"),
         ({"inference": "approx"}, "inference"),
         ({"tables": 2.5}, "tables"),
         ({"tabels": 4}, "tabels"),
@@ -259,6 +260,8 @@ def test_bad_sizes_and_labels_are_rejected():
     head = LSHSoftmax(H, C)
     with pytest.raises(ConfigError, match="num_classes=300"):
         head(torch.randn(2, H), torch.tensor([1, C]))
+    with pytest.raises(ConfigError, match="-2.*-1 pads"):
+        head(torch.randn(2, H), torch.tensor([[1, -1], [3, -2]]))
     with pytest.raises(ConfigError, match="inference"):
         head.eval()(torch.randn(2, H), inference="fast")
 
@@ -336,3 +339,52 @@ def test_lazy_adam_refuses_a_gradient_sparse_in_more_than_its_rows():
                                      (3, 4))  # fmt: skip
     with pytest.raises(ValueError, match=r"sparse_dim 2 for a parameter of shape \(3, 4\)"):
         opt.step()
+
+
+def test_a_label_repeated_in_a_row_counts_once():
+    head = LSHSoftmax(H, C, bits=3, tables=4, min_active=C)  # every class active: exact
+    h = torch.randn(3, H)
+    once = torch.tensor([[5, 9, -1], [7, -1, -1], [1, 2, 3]])
+    twice = torch.tensor([[5, 9, 5], [7, 7, -1], [3, 2, 1]])
+    assert torch.equal(head(h, once), head(h, twice))
+    head.eval()
+    logits = head(h)
+    assert torch.equal(head.loss(logits, once), head.loss(logits, twice))
+
+
+def test_redraw_every_draws_new_hash_functions_and_rehashes_and_resumes():
+    def fresh() -> tuple[LSHSoftmax, LazyAdam]:
+        head = LSHSoftmax(H, C, bits=3, tables=4, redraw_every=3, check_every=1000)
+        return head, LazyAdam(head.parameters(), lr=0.05)
+
+    head, opt = fresh()
+    first = head.hasher.projection.clone()
+    _train(head, opt, 2, seed=0)
+    assert torch.equal(head.hasher.projection, first) and head.stats["redraws"] == 0
+    before = head.weight.detach().clone()
+    _train(head, opt, 1, seed=0)
+    assert head.stats["redraws"] == 1 and int(head.draws) == 1
+    assert not torch.equal(head.hasher.projection, first)
+    # the tables hold the new functions' codes of the weights that step began with
+    assert torch.equal(head.tables.codes, head.hasher(before))
+    buf = io.BytesIO()
+    torch.save({"layer": head.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(head, opt, 4, seed=1)  # a second redraw at step 6
+    assert int(head.draws) == 2
+    other, other_opt = fresh()
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    other.load_state_dict(state["layer"])
+    other_opt.load_state_dict(state["opt"])
+    _train(other, other_opt, 4, seed=1)
+    for name, value in head.state_dict().items():
+        assert torch.equal(value, other.state_dict()[name]), name
+
+
+def test_a_checkpoint_from_before_redraws_still_loads():
+    head = LSHSoftmax(H, C, bits=3, tables=4)
+    state = head.state_dict()
+    del state["draws"]
+    other = LSHSoftmax(H, C, bits=3, tables=4, seed=1)
+    other.load_state_dict(state)
+    assert int(other.draws) == 0 and torch.equal(other.tables.keys, head.tables.keys)
