@@ -198,6 +198,18 @@ def _train(head: LSHSoftmax, opt: LazyAdam, steps: int, seed: int) -> None:
         opt.step()
 
 
+def _saved(head: LSHSoftmax, opt: LazyAdam) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"layer": head.state_dict(), "opt": opt.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def _restore(saved: bytes, head: LSHSoftmax, opt: LazyAdam) -> None:
+    state = torch.load(io.BytesIO(saved), weights_only=False)
+    head.load_state_dict(state["layer"])
+    opt.load_state_dict(state["opt"])
+
+
 def test_checkpoint_resume_restores_layer_optimizer_state_and_tables():
     def fresh() -> tuple[LSHSoftmax, LazyAdam]:
         head = LSHSoftmax(H, C, bits=3, tables=4, check_every=2, rebuild_threshold=0.01)
@@ -205,17 +217,13 @@ def test_checkpoint_resume_restores_layer_optimizer_state_and_tables():
 
     head, opt = fresh()
     _train(head, opt, 6, seed=0)
-    buf = io.BytesIO()
-    torch.save({"layer": head.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = _saved(head, opt)
     _train(head, opt, 6, seed=1)
     assert head.stats["rebuilds"] > 2  # tables were rebuilt along the way
 
     other, other_opt = fresh()
     _train(other, other_opt, 1, seed=5)  # different state before loading
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
-    other.load_state_dict(state["layer"])
-    other_opt.load_state_dict(state["opt"])
+    _restore(saved, other, other_opt)
     _train(other, other_opt, 6, seed=1)
     for name, value in head.state_dict().items():
         if isinstance(value, torch.Tensor):
@@ -367,15 +375,11 @@ def test_redraw_every_draws_new_hash_functions_and_rehashes_and_resumes():
     assert not torch.equal(head.hasher.projection, first)
     # the tables hold the new functions' codes of the weights that step began with
     assert torch.equal(head.tables.codes, head.hasher(before))
-    buf = io.BytesIO()
-    torch.save({"layer": head.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = _saved(head, opt)
     _train(head, opt, 4, seed=1)  # a second redraw at step 6
     assert int(head.draws) == 2
     other, other_opt = fresh()
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
-    other.load_state_dict(state["layer"])
-    other_opt.load_state_dict(state["opt"])
+    _restore(saved, other, other_opt)
     _train(other, other_opt, 4, seed=1)
     for name, value in head.state_dict().items():
         assert torch.equal(value, other.state_dict()[name]), name
