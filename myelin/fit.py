@@ -147,8 +147,8 @@ def fit(
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
     plan = getattr(getattr(trainer, "replicas", None), "plan", None)
-    if plan is not None and steps is None:  # DASO's epochs are the loader's
-        per_epoch = _epoch_steps(loader, 1)
+    if plan is not None and steps is None:  # DASO's epochs: the loaders' agreed length
+        per_epoch = total // (epochs or 1) if total is not None else None
         plan(per_epoch, epochs or 1 if per_epoch is not None else None)
     waits = trainer.world.waits
     local = bool(getattr(getattr(trainer, "replicas", None), "local_loss", False))

@@ -95,7 +95,7 @@ class DASO:
         level = self.stability_level
         if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 <= level < 1:
             raise ConfigError(f"DASO(stability_level={level!r}): must be a number in [0, 1)")
-        if self.downcast not in _DOWNCAST:
+        if not isinstance(self.downcast, str) or self.downcast not in _DOWNCAST:
             raise ConfigError(f"DASO(downcast={self.downcast!r}): must be one of {list(_DOWNCAST)}")
 
     def check(self, stages: int, data_parallel: int) -> None:
@@ -293,12 +293,16 @@ class DasoReplicas(Strategy):
         return self.comm.traffic["global"].bytes if "global" in self.comm.traffic else 0
 
     def stats(self) -> dict[str, int]:
-        s = self._sched()
+        s = self._planned()
         return {
             "local_bytes": self.bytes_local,
             "global_bytes": self.bytes_global,
-            "sends": s.sends,
+            "sends": s.sends if s is not None else 0,
         }
+
+    def _planned(self) -> DasoSchedule | None:
+        """The schedule, or None while the epoch length is not known yet (before fit)."""
+        return self._sched() if self.schedule is not None or self._epoch_steps else None
 
     def traffic(self) -> dict[str, dict[str, float]]:
         return self.comm.summary()
@@ -313,7 +317,8 @@ class DasoReplicas(Strategy):
             total, wait = self._finish(send_id)
             self.pending[send_id] = ([], [total], wait)
             pending[str(send_id)] = {"sum": total.cpu(), "wait": wait}
-        state = {"schedule": self._sched().state_dict(), "pending": pending}
+        sched = self._planned()  # None: saved before any step and any plan
+        state = {"schedule": sched.state_dict() if sched else None, "pending": pending}
         state["epoch_steps"], state["total_epochs"] = self._epoch_steps, self._total  # as planned
         state["local"] = flatten(self.params)  # the checkpoint's model entries are the synced ones
         return state
@@ -325,7 +330,8 @@ class DasoReplicas(Strategy):
         # run loads before fit plans again, and must cool down where the first would have
         self._epoch_steps = self._epoch_steps or state.get("epoch_steps")
         self._total = self._total or state.get("total_epochs")
-        self._sched().load_state_dict(state["schedule"])
+        if state["schedule"] is not None:
+            self._sched().load_state_dict(state["schedule"])
         self.synced = flatten(self.params)  # loaded as the model: the synchronised parameters
         unflatten(state["local"], self.params)
         device = self.params[0].device if self.params else torch.device("cpu")

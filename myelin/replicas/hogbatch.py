@@ -159,7 +159,7 @@ class Hogbatch:
         needs `if __name__ == "__main__":`."""
         from myelin.replicas.hogbatch_run import Run  # the runner imports these settings
 
-        lr, wd = check_optimizer(optimizer)
+        lr, wd = check_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:

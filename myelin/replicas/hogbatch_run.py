@@ -96,7 +96,7 @@ class Run:
                     "emulate": cfg.emulate or (None, None)}  # fmt: skip
         disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch)
         self.runner = _Run(cfg, self.ctl, self.store, disp, eval_every_s)
-        eval_model = copy.deepcopy(host_model)  # not the one the workers were spawned with
+        eval_model = copy.deepcopy(host_model).eval()  # not the workers'; no dropout in eval
         self.evaluator = _Evaluator(eval_model, loss_fn, eval_data or self.data,
                                     params_of(eval_model))  # fmt: skip
 

@@ -44,7 +44,7 @@ class HogbatchStrategy(Strategy):
         self.params = ctx.params
         self.timeline = ctx.timeline  # with profile=: the run's figures and tracks go there
         if ctx.optimizer is not None:
-            check_optimizer(ctx.optimizer)  # before any work: the reason, not a wrong run
+            check_optimizer(ctx.optimizer, ctx.params)  # before any work: not a wrong run
         self.controller: dict[str, Any] | None = None  # the rule's state, once a run began
         self.next_epoch = 0
         self.report: dict[str, Any] | None = None  # the last fit's (Hogbatch.fit's report)
@@ -97,7 +97,7 @@ class HogbatchStrategy(Strategy):
                 f"fit(checkpoint_every={every!r}) under sync=Hogbatch counts epochs: an int "
                 f">= 1, with a checkpoint_dir"
             )
-        lr, wd = check_optimizer(trainer.optimizer)
+        lr, wd = check_optimizer(trainer.optimizer, self.params)
         x, y = dataset_of(data, "fit")
         evals = args.get("eval_loader")
         eval_data = dataset_of(evals, "fit: eval_loader") if evals is not None else None
@@ -171,8 +171,9 @@ class HogbatchStrategy(Strategy):
         trainer.steps_done = first + live.updates()
 
 
-def check_optimizer(optimizer: Any) -> tuple[float, float]:
-    """(lr, weight decay) of a plain SGD optimizer; anything else is a ConfigError saying why."""
+def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:
+    """(lr, weight decay) of a plain SGD optimizer; anything else is a ConfigError saying why.
+    `params`: the trainable parameters the run trains, which the optimizer must hold, all."""
     why = (
         "Hogbatch's workers add steps to one shared model without locks, so only stateless "
         "plain SGD (with weight decay) is sound: optimizer state (momentum, Adam's moments) "
@@ -186,10 +187,29 @@ def check_optimizer(optimizer: Any) -> tuple[float, float]:
     for key, plain in (("momentum", 0), ("nesterov", False), ("maximize", False)):
         if g.get(key, plain) != plain:
             raise ConfigError(f"{why}; got SGD({key}={g[key]!r})")
+    if params is not None:
+        _check_holds(g["params"], list(params))
     lr = g["lr"]
     if isinstance(lr, torch.Tensor):
         lr = float(lr)
     return float(lr), float(g.get("weight_decay", 0.0))
+
+
+def _check_holds(held: list[Any], trainable: list[Any]) -> None:
+    """The workers step every trainable parameter: an optimizer over fewer of them (to freeze
+    the rest) would silently train those too."""
+    held_ids, ids = {id(p) for p in held}, {id(p) for p in trainable}
+    if held_ids == ids:
+        return
+    left_out = sum(i not in held_ids for i in ids)
+    foreign = sum(i not in ids for i in held_ids)
+    raise ConfigError(
+        f"Hogbatch trains every parameter with requires_grad=True; the optimizer leaves out "
+        f"{left_out} of the model's {len(ids)} trainable parameters"
+        + (f" and holds {foreign} that are not the model's trainable ones" if foreign else "")
+        + ". To freeze parameters, set requires_grad=False on them and give the optimizer "
+        "the rest"
+    )
 
 
 def _save(trainer: Any, path: Any, hooks: list) -> None:

@@ -82,8 +82,9 @@ def test_a_new_input_shape_is_measured_not_guessed():
     _, stats, tally = _train(steps=5, batches=[*small, big])
     _, big_stats, _ = _train(steps=1, batches=[big])
     # the big batch's activations are counted: its peak is the one a run of it alone sees
-    assert stats["device_peak_resident_bytes"]["activations"] == (
-        big_stats["device_peak_resident_bytes"]["activations"]
+    assert (
+        stats["device_peak_resident_bytes"]["activations"]
+        == (big_stats["device_peak_resident_bytes"]["activations"])
     )
     assert tally.measured >= 2
 

@@ -52,6 +52,41 @@ def test_stateful_optimizers_are_refused_with_the_reason(opt, words):
     assert "shared model without locks" in str(e.value)
 
 
+def test_an_optimizer_over_part_of_the_model_is_refused_not_ignored():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    data = (torch.randn(16, 5), torch.randint(0, 3, (16,)))
+    loss = torch.nn.functional.cross_entropy
+    only_last = torch.optim.SGD(model[2].parameters(), lr=0.1)  # meant to freeze the rest
+    with pytest.raises(ConfigError, match="leaves out 2 of the model's 4 trainable.*requires_grad"):
+        myelin.Hogbatch(cpu_workers=0).fit(model, only_last, loss, data)
+    with pytest.raises(ConfigError, match="leaves out 2"):
+        myelin.Trainer(model, lambda p: torch.optim.SGD(list(p)[2:], lr=0.1), loss,
+                       sync=myelin.Hogbatch(cpu_workers=0))  # fmt: skip
+    for p in model[0].parameters():  # frozen as the error says: accepted, and left alone
+        p.requires_grad_(False)
+    w0 = model[0].weight.detach().clone()
+    myelin.Hogbatch(cpu_workers=0, device_batch=(8, 8), adaptive=False, lock=True).fit(
+        model, only_last, loss, data, epochs=1
+    )
+    assert torch.equal(model[0].weight, w0)
+
+
+def test_the_epoch_loss_is_evaluated_in_eval_mode():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 3)
+    )
+    data = (torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    loss = torch.nn.functional.cross_entropy
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    report = myelin.Hogbatch(cpu_workers=0, device_batch=(16, 16), adaptive=False).fit(
+        model, opt, loss, data, epochs=1
+    )
+    with torch.no_grad():  # the model ends holding the weights the last evaluation saw
+        expected = float(loss(model.eval()(data[0]), data[1]))
+    assert report["evals"][-1]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [

@@ -28,6 +28,8 @@ def test_sync_settings_are_checked_before_any_work():
         myelin.PipelineConfig(sync="ring")
     with pytest.raises(myelin.ConfigError, match=r"DASO\(node_size=2\): data_parallel=3"):
         myelin.PipelineConfig(data_parallel=3, sync=myelin.DASO(node_size=2))
+    with pytest.raises(myelin.ConfigError, match=r"DASO\(downcast=\['bf16'\]\)"):
+        myelin.DASO(downcast=["bf16"])
     with pytest.raises(myelin.ConfigError, match=r"EASGD\(tau=0\)"):
         myelin.EASGD(tau=0)
     with pytest.raises(myelin.ConfigError, match=r"EASGD\(mode='ring'\)"):
@@ -85,6 +87,16 @@ def test_measgd_momentum_needs_the_local_sgd_update(optimizer, got):
         torch.nn.Linear(2, 2), optimizer, torch.nn.functional.mse_loss, sync="easgd"
     )
     adam.close()
+
+
+def test_daso_saves_before_any_plan_and_plans_uneven_loaders_by_the_shortest(tmp_path):
+    job = launch(2, "replicas.py", ["daso_edges"], tmp_path, timeout=180)
+    assert job.returncode == 0, job.output
+    got = [job.results[r]["daso_edges"] for r in (0, 1)]
+    assert [g["sends_before"] for g in got] == [0, 0]  # stats before the epoch length is known
+    # the ranks' loaders hold 4 and 6 batches: both plan DASO's epochs on the 4 they share
+    assert [(g["steps"], g["epoch_steps"]) for g in got] == [(8, 4), (8, 4)]
+    assert got[0]["params"] == got[1]["params"]  # the last epoch ends on a blocking average
 
 
 @pytest.mark.parametrize("wait,nodes", [(0, 2), (1, 2), (3, 4), (2, 1)])

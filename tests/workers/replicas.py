@@ -429,6 +429,26 @@ def case_hub():
     os._exit(0)  # the world is broken on purpose: leave without its teardown
 
 
+def case_daso_edges():
+    """DASO at its edges on 2 ranks: saved (and stats read) before any step or plan, then
+    resumed; fit over loaders of different lengths (uneven="shortest")."""
+    rank = int(os.environ["RANK"])
+    ck = os.path.join(OUT, "daso_step0")
+    t = trainer(myelin.DASO(node_size=1))
+    sends_before = t.replicas.stats()["sends"]
+    t.save(ck)
+    t.close()
+    spec = myelin.DASO(node_size=1, warmup_epochs=0, cooldown_epochs=0)
+    t = trainer(spec, resume=ck)
+    data = [batch(rank, s) for s in range(4 if rank == 0 else 6)]
+    history = t.fit(data, epochs=2, progress=False)
+    s = t.replicas.schedule
+    out = {"sends_before": sends_before, "steps": t.steps_done, "rows": len(history)}
+    out.update(epoch_steps=s.last_batch + 1, epoch=s.epoch, params=digest(flat(t.module)))
+    t.close()
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
