@@ -152,6 +152,13 @@ class DasoReplicas(Strategy):
         if self.schedule is None:
             self._epoch_steps = self._epoch_steps or epoch_steps
             self._total = self._total or epochs
+        elif epoch_steps is not None and epoch_steps != self._epoch_steps:
+            log.warning(
+                "DASO keeps the epoch length it planned (%d steps): this fit's loader has %d; "
+                "DASO(epoch_steps=...) sets it for good",
+                self._epoch_steps,
+                epoch_steps,
+            )
 
     def _sched(self) -> DasoSchedule:
         if self.schedule is None:

@@ -97,6 +97,7 @@ def test_daso_saves_before_any_plan_and_plans_uneven_loaders_by_the_shortest(tmp
     # the ranks' loaders hold 4 and 6 batches: both plan DASO's epochs on the 4 they share
     assert [(g["steps"], g["epoch_steps"]) for g in got] == [(8, 4), (8, 4)]
     assert got[0]["params"] == got[1]["params"]  # the last epoch ends on a blocking average
+    assert all("keeps the epoch length it planned (4 steps)" in g["second_fit"][0] for g in got)
 
 
 @pytest.mark.parametrize("wait,nodes", [(0, 2), (1, 2), (3, 4), (2, 1)])
