@@ -478,6 +478,8 @@ class Trainer:
         finally:
             if getattr(self, "streams", None) is not None:
                 self.streams.close()  # the layers' pre-hooks, on the user's modules
+            if getattr(self, "loop", None) is not None:
+                self.loop.release_model()  # the loop's hooks, on the user's modules and params
             if getattr(self, "replicas", None) is not None:
                 self.replicas.close()
             if self.liveness is not None:

@@ -182,3 +182,25 @@ def test_loss_fn_must_return_a_scalar():
     with pytest.raises(myelin.MyelinError, match="earlier step failed"):
         trainer.step(torch.randn(4, 8), torch.zeros(4))
     trainer.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_close_takes_every_hook_off_the_users_model(precision):
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    t = myelin.Trainer(
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        nn.functional.cross_entropy,
+        microbatches=2,
+        precision=precision,
+    )
+    t.step(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    t.close()
+    for name, m in model.named_modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, name
+    for name, p in model.named_parameters():
+        assert not p._post_accumulate_grad_hooks and not p._backward_hooks, name
+    copy.deepcopy(model)  # a model with a closed trainer's hooks could not be copied
+    x = torch.randn(4, 6, dtype=next(model.parameters()).dtype)
+    model(x).sum().backward()  # the user's own backward keeps its gradients
+    assert all(p.grad is not None for p in model.parameters())

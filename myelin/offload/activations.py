@@ -111,6 +111,12 @@ class ActivationStore:
             self._hooks.append(layer.register_forward_hook(self._boundary))
         return len(layers)
 
+    def close(self) -> None:
+        """Take the layer hooks off the stage's modules (Trainer.close)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
     # -- forward --------------------------------------------------------------------------
 
     @contextlib.contextmanager

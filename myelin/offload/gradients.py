@@ -29,8 +29,16 @@ class Gradients:
             self.holders: list[torch.Tensor] = self.params
             return
         self.holders = [_carrier(p) for p in self.params]
-        for p, carrier in zip(self.params, self.holders, strict=True):
+        self.handles = [
             p.register_post_accumulate_grad_hook(_summing_into(carrier))
+            for p, carrier in zip(self.params, self.holders, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Take the summing hooks off the parameters (the trainer closed: they are the
+        user's again, and a backward of theirs keeps its own .grad)."""
+        for handle in getattr(self, "handles", ()):
+            handle.remove()
 
     def grad(self, i: int) -> torch.Tensor | None:
         """Parameter `i`'s gradient so far, fp32 (None: none yet this step)."""

@@ -137,8 +137,13 @@ class Updater:
             if not self._pending[b] and b not in self._copied:
                 self._copy_grads(b)
 
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(hook)
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def close(self) -> None:
+        """Take this updater's gradient hooks off the parameters (Trainer.close)."""
+        self.grads.close()
+        for handle in getattr(self, "_handles", ()):
+            handle.remove()
 
     def arm(self) -> None:
         """The next backward is the step's last on this stage and nothing reduces the

@@ -108,8 +108,14 @@ class AllReduceReplicas(Strategy):
             raise MyelinError("AllReduce: the parameters whose gradients it reduces changed")
         self._hooked = (params, holders)
         self._plan = plan_buckets(holders, self)
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(self._final(i))
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._final(i)) for i, p in enumerate(params)
+        ]
+
+    def close(self) -> None:
+        """Take the launch hooks off the parameters (Trainer.close)."""
+        for handle in getattr(self, "_handles", ()):
+            handle.remove()
 
     def _final(self, i: int) -> Any:
         def hook(_: torch.Tensor) -> None:

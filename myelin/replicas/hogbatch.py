@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError
-from myelin.replicas.hogbatch_strategy import HogbatchStrategy, check_optimizer
+from myelin.replicas.hogbatch_strategy import HogbatchStrategy, check_model, check_optimizer
 
 __all__ = ["Hogbatch", "LOSS_POLICIES", "check_optimizer"]
 
@@ -160,6 +160,7 @@ class Hogbatch:
         from myelin.replicas.hogbatch_run import Run  # the runner imports these settings
 
         lr, wd = check_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        check_model(model)
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:

@@ -24,7 +24,7 @@ from myelin.replicas import Context, Strategy
 from myelin.replicas.hogbatch_run import Run
 from myelin.replicas.hogbatch_store import load_flat
 
-__all__ = ["HogbatchStrategy", "check_optimizer", "dataset_of", "worker_copy"]
+__all__ = ["HogbatchStrategy", "check_model", "check_optimizer", "dataset_of", "worker_copy"]
 
 _WHY = {
     "steps": "it trains whole epochs, and its workers' updates are not steps of one size; "
@@ -98,6 +98,7 @@ class HogbatchStrategy(Strategy):
                 f">= 1, with a checkpoint_dir"
             )
         lr, wd = check_optimizer(trainer.optimizer, self.params)
+        check_model(trainer.module)
         x, y = dataset_of(data, "fit")
         evals = args.get("eval_loader")
         eval_data = dataset_of(evals, "fit: eval_loader") if evals is not None else None
@@ -193,6 +194,22 @@ def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:
     if isinstance(lr, torch.Tensor):
         lr = float(lr)
     return float(lr), float(g.get("weight_decay", 0.0))
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Only parameters are shared: running statistics (BatchNorm's) would stay in each
+    worker's copy and never reach the model, so such a module is a ConfigError."""
+    for name, m in model.named_modules():
+        if (
+            getattr(m, "track_running_stats", False)
+            and getattr(m, "running_mean", None) is not None
+        ):
+            raise ConfigError(
+                f"Hogbatch shares the parameters only, and module {name or '(the model)'!r} "
+                f"({type(m).__name__}) keeps running statistics, which each worker would update "
+                f"in its own copy and the model would never get; use track_running_stats=False "
+                f"or a LayerNorm/GroupNorm"
+            )
 
 
 def _check_holds(held: list[Any], trainable: list[Any]) -> None:

@@ -48,6 +48,7 @@ class MicrobatchTies:
         self._incoming: dict[int, list[tuple[int, torch.Tensor]]] = {}  # key -> (source, piece)
         self._outgoing: dict[int, torch.Tensor] = {}  # key -> this stage's piece
         self._active = False  # hooks act only inside this stage's backward
+        self._handles: list[Any] = []
         for tie in tied:
             first = tie.holders[0]
             for key, p in zip(tie.keys, tie.params, strict=True):
@@ -58,10 +59,15 @@ class MicrobatchTies:
                     for source in tie.holders[1:]:
                         self.sources.add(source)
                         self.expected.setdefault(source, {})[key] = tuple(p.shape)
-                    p.register_hook(self._adding(key))
+                    self._handles.append(p.register_hook(self._adding(key)))
                 else:
                     self._dest[key] = first
-                    p.register_hook(self._keeping(key))
+                    self._handles.append(p.register_hook(self._keeping(key)))
+
+    def close(self) -> None:
+        """Take the hooks off the tied parameters (Trainer.close)."""
+        for handle in self._handles:
+            handle.remove()
 
     def check(self, source: int, keys: Any, tensors: list[torch.Tensor]) -> str | None:
         """Why a `tied` message from stage `source` cannot be taken, or None."""

@@ -71,6 +71,25 @@ def test_an_optimizer_over_part_of_the_model_is_refused_not_ignored():
     assert torch.equal(model[0].weight, w0)
 
 
+def test_a_model_with_running_statistics_is_refused_naming_the_module():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)
+    )
+    data = (torch.randn(16, 5), torch.randint(0, 3, (16,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = torch.nn.functional.cross_entropy
+    with pytest.raises(ConfigError, match="module '1' \\(BatchNorm1d\\) keeps running statistics"):
+        myelin.Hogbatch(cpu_workers=0).fit(model, opt, loss, data)
+    trainer = myelin.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), loss,
+                             sync=myelin.Hogbatch(cpu_workers=0))  # fmt: skip
+    with trainer, pytest.raises(ConfigError, match="BatchNorm1d"):
+        trainer.fit(torch.utils.data.TensorDataset(*data), epochs=1)
+    model[1] = torch.nn.BatchNorm1d(8, track_running_stats=False)  # accepted
+    myelin.Hogbatch(cpu_workers=0, device_batch=(8, 8), adaptive=False).fit(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loss, data, epochs=1
+    )
+
+
 def test_the_epoch_loss_is_evaluated_in_eval_mode():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
