@@ -43,7 +43,7 @@ from myelin.offload.budget import DeviceBudget
 from myelin.offload.layers import Ahead, find_layers
 from myelin.offload.pages import Copier, Page, View
 from myelin.offload.pool import HostPool
-from myelin.offload.saved import ActivationStats, SavedMicrobatch, SavedTally
+from myelin.offload.saved import ActivationStats, SavedMicrobatch
 
 __all__ = ["ActivationStore", "ActivationStats"]
 
@@ -94,8 +94,6 @@ class ActivationStore:
         self._unpacked: dict[int, _Used] = {}  # id -> a view backward holds, with its page
         self._copier = Copier(self.device)
         self._on_used = self._used  # bound once: the unpack hook passes it per view
-        # a count for the hooks to skip, where nothing pages and no accounted limit is checked
-        self.tally = SavedTally(pool is None and (budget.limit_bytes is None or budget.measured))
 
     @property
     def pages_out(self) -> bool:
@@ -121,18 +119,12 @@ class ActivationStore:
 
     @contextlib.contextmanager
     def saving(
-        self,
-        mb: int,
-        keep: Iterable[torch.Tensor] = (),
-        backward_next: bool = False,
-        sig: tuple | None = None,
+        self, mb: int, keep: Iterable[torch.Tensor] = (), backward_next: bool = False
     ) -> Iterator[None]:
         """Run the forward of microbatch `mb` under hooks that account and page out what
         autograd saves. `keep`: tensors the stage holds anyway (its inputs), which copying
         would not free. `backward_next`: its backward runs right after, so its last layers
-        stay on the device; otherwise every page leaves by the end of the forward. `sig`:
-        what determines the saved bytes (saved.signature); where nothing pages, a known
-        signature's count is reused without the hooks."""
+        stay on the device; otherwise every page leaves by the end of the forward."""
         entry = self._mbs.setdefault(mb, SavedMicrobatch())
         held = {t.untyped_storage().data_ptr() for t in keep}
         # storage pointer -> (a live tensor on it, its page): views of one storage share a
@@ -188,19 +180,11 @@ class ActivationStore:
             return t
 
         self._saving = entry
-        known = None if paging else self.tally.known(sig)
         try:
-            if known is not None:  # these inputs' saved bytes are known (saved.py): no hooks
-                self._grow(entry, known, doing)
+            with torch.autograd.graph.saved_tensors_hooks(
+                pack if paging else account, self._unpack
+            ):
                 yield
-            else:
-                before = entry.resident
-                with torch.autograd.graph.saved_tensors_hooks(
-                    pack if paging else account, self._unpack
-                ):
-                    yield
-                if not paging:
-                    self.tally.record(sig, entry.resident - before)
             while entry.originals and not backward_next:
                 self._copy_out(entry, entry.originals.popleft())
             self.stats.layers = entry.layer + 1

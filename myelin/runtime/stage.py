@@ -20,7 +20,6 @@ from torch import nn
 from myelin.errors import MyelinError
 from myelin.losses import StepLoss, step_loss
 from myelin.offload.activations import ActivationStore
-from myelin.offload.saved import signature
 from myelin.runtime.rng import LayerStreams
 from myelin.runtime.split import SplitBackward
 
@@ -101,14 +100,7 @@ class Stage:
         """
         inputs = tuple(self._receive(t) for t in inputs)
         saving = (
-            self.activations.saving(
-                mb,
-                keep=inputs,
-                backward_next=backward_next,
-                sig=signature(
-                    torch.is_grad_enabled(), self.module.training, inputs, target, divisor, share
-                ),
-            )
+            self.activations.saving(mb, keep=inputs, backward_next=backward_next)
             if self.activations is not None
             else contextlib.nullcontext()
         )
