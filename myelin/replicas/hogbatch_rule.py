@@ -67,8 +67,8 @@ def budget_floor(overhead: float, throughput: float, budget: float) -> float:
     """The smallest batch whose efficiency is at least 1 - budget (inf when budget is 0)."""
     if budget <= 0:
         return math.inf
-    if budget >= 1:
-        return 0.0
+    if budget >= 1 or overhead <= 0:
+        return 0.0  # no overhead: every batch is efficient (also when throughput is inf)
     return overhead * throughput * (1.0 - budget) / budget
 
 
@@ -77,7 +77,10 @@ def ratio_batch(overhead: float, throughput: float, cpu_rate: float, ratio: floa
     the device is too slow even at batch 0; inf: no CPU updates to balance)."""
     if cpu_rate <= 0:
         return math.inf
-    return throughput * (1.0 / (ratio * cpu_rate) - overhead)
+    gap = 1.0 / (ratio * cpu_rate) - overhead  # seconds per device update left for samples
+    if math.isinf(throughput):  # time does not grow with the batch: any batch or none
+        return math.inf if gap > 0 else 0.0 if gap == 0 else -math.inf
+    return throughput * gap
 
 
 def choose_device_batch(

@@ -126,3 +126,12 @@ def test_a_window_of_one_device_batch_size_keeps_the_last_fit(budget):
     d = Controller(lo=16, hi=4096, ratio=1.0, budget=budget, adaptive=True)
     d.load_state_dict(state)
     assert d.fit == c.fit and d.state_dict() == state
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.05, 0.1])
+def test_a_batch_that_costs_no_time_per_sample_gives_a_batch_not_nan(overhead):
+    # 1 / (ratio * cpu_rate) = 0.05 s: inf * 0 was nan, and ceil(nan) a ValueError
+    got = choose_device_batch(64, overhead, math.inf, 20.0, ratio=1.0, budget=0.3, lo=8, hi=512)
+    assert 8 <= got <= 512
+    assert budget_floor(0.0, math.inf, 0.3) == 0.0
+    assert not math.isnan(ratio_batch(overhead, math.inf, 20.0, 1.0))
