@@ -31,11 +31,13 @@ class LSHConfig:
     rebuild_threshold: rehash every class once this share of (class, table) codes of a
         random probe of the classes active since the last build (the only rows that can
         have moved) has changed since that build.
-    check_every: training steps between those probes (a probe costs probe_rows hashes).
-    redraw_every: every this many training steps, draw new hash functions and rehash every
-        class (SLIDE's "rebuild", every 1000 batches in its code); None: never (the tables
-        are still rehashed as the weights move). New functions break up classes that one
-        draw happens to keep in an overfull bucket.
+    check_every: training steps between those probes (a probe costs probe_rows hashes). A
+        training step here is one training-mode loss of the layer: in a myelin pipeline, one
+        per microbatch, so `Trainer(microbatches=m)` counts m per trainer step.
+    redraw_every: every this many training steps (as check_every counts them), draw new
+        hash functions and rehash every class (SLIDE's "rebuild", every 1000 batches in its
+        code); None: never (the tables are still rehashed as the weights move). New
+        functions break up classes that one draw happens to keep in an overfull bucket.
     probe_rows: most classes hashed by a probe.
     inference: default for eval-mode forward: "exact" (all logits) or "lsh" (only the
         retrieved classes of each sample; the rest -inf).

@@ -151,7 +151,7 @@ class LSHSoftmax(SeededModule):
         where = torch.full((self.num_classes,), -1, dtype=torch.long, device=active.device)
         where[active] = torch.arange(active.numel(), device=active.device)
         w, b = sparse_rows(active, self.weight, self.bias)
-        logits = torch.addmm(b, output, w.t())  # (B, A)
+        logits = torch.addmm(b, output.to(w.dtype), w.t())  # (B, A), in the layer's dtype
         pos = torch.where(labels >= 0, where[labels.clamp(min=0)], labels)
         return soft_target_loss(logits, pos)
 
@@ -224,7 +224,8 @@ def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     / the row's label count: SLIDE's multi-label target 1/|Y|. Rows without labels add 0."""
     logp = torch.log_softmax(logits.float(), dim=1)
     valid = labels >= 0
-    picked = logp.gather(1, labels.clamp(min=0)) * valid
+    # a pad gathers class 0, whose log p may be -inf (LSH inference): masked, not * 0 (nan)
+    picked = logp.gather(1, labels.clamp(min=0)).masked_fill(~valid, 0.0)
     count = valid.sum(1).clamp(min=1)
     return -(picked.sum(1) / count).mean()
 

@@ -23,7 +23,9 @@ import torch
 
 from myelin.errors import ConfigError
 
-__all__ = ["XCBatch", "XCConfig", "XCData", "XCSplit", "make_xc"]
+__all__ = ["MAX_EXTRA", "XCBatch", "XCConfig", "XCData", "XCSplit", "make_xc"]
+
+MAX_EXTRA = 8  # most extra labels a row gets
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,7 +38,8 @@ class XCConfig:
     alpha: exponent of the power-law label prior (p ~ rank^-alpha).
     own_features, topic_features: prototype features a label owns / takes from its topic.
     topic_pool: features each topic offers its labels.
-    extra_labels: mean number of extra labels per row (Poisson), from the primary's topic.
+    extra_labels: mean number of extra labels per row (Poisson, at most MAX_EXTRA a row),
+        from the primary's topic; up to MAX_EXTRA / 2, where the cap barely moves the mean.
     keep: probability each prototype feature of a row's label appears in the row.
     noise: random features added to each row.
     """
@@ -64,12 +67,9 @@ class XCConfig:
             raise ConfigError(f"topics={self.topics} must be <= num_labels={self.num_labels}")
         if self.own_features + self.topic_features == 0:
             raise ConfigError("own_features + topic_features must be >= 1: labels need features")
-        if not 0 < self.keep <= 1:
-            raise ConfigError(f"keep={self.keep!r} must be in (0, 1]")
-        if not 0 <= self.alpha <= 4:
-            raise ConfigError(f"alpha={self.alpha!r} must be in [0, 4]")
-        if not 0 <= self.extra_labels <= 16:
-            raise ConfigError(f"extra_labels={self.extra_labels!r} must be in [0, 16]")
+        _check_number("keep", self.keep, 0, 1, low_open=True)
+        _check_number("alpha", self.alpha, 0, 4)
+        _check_number("extra_labels", self.extra_labels, 0, MAX_EXTRA / 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,9 @@ class XCSplit:
 
     def batches(self, batch_size: int, seed: int | None = None) -> Iterator[XCBatch]:
         """Batches in order (seed None) or shuffled by `seed`; the last may be smaller."""
+        _check_int("batch_size", batch_size, 1)
+        if seed is not None:
+            _check_int("seed", seed, 0)
         n = len(self)
         order = (
             torch.arange(n)
@@ -146,6 +149,9 @@ class XCData:
 
 def make_xc(config: XCConfig, seed: int = 0) -> XCData:
     """A synthetic extreme-classification set, the same for the same config and seed."""
+    if not isinstance(config, XCConfig):
+        raise ConfigError(f"make_xc(config={config!r}) must be a myelin.nn.XCConfig")
+    _check_int("seed", seed, 0)
     cfg = config
     g = torch.Generator().manual_seed(seed)
     rank = torch.randperm(cfg.num_labels, generator=g)  # label id -> its frequency rank
@@ -173,7 +179,8 @@ def make_xc(config: XCConfig, seed: int = 0) -> XCData:
 def _rows(cfg: XCConfig, g: torch.Generator, prior, prototypes, split, n: int) -> XCSplit:
     members, starts, sizes, topic = split
     primary = torch.multinomial(prior, n, replacement=True, generator=g)
-    extra = torch.poisson(torch.full((n,), cfg.extra_labels), generator=g).long().clamp(max=8)
+    extra = torch.poisson(torch.full((n,), cfg.extra_labels), generator=g).long()
+    extra = extra.clamp(max=MAX_EXTRA)
     width = int(extra.max()) + 1 if n else 1
     t = topic[primary]
     pos = (torch.rand(n, width - 1, generator=g) * sizes[t, None]).long()
@@ -249,6 +256,13 @@ def _oracle_p1(test: XCSplit, prototypes, prior, num_features: int, rows: int = 
         best = scores.argmax(0)
         hits += int((b.labels == best[:, None]).any(1).sum())
     return hits / max(n, 1)
+
+
+def _check_number(name: str, value: object, low: float, high: float, low_open=False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (low < value if low_open else low <= value) or not value <= high:
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ConfigError(f"{name}={value!r} must be a number in {bounds}")
 
 
 def _check_int(name: str, value: object, low: int) -> None:

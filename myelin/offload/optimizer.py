@@ -269,7 +269,7 @@ class Updater:
         assert self.scaler is not None
         grads = [g for g in self._step_grads() if g is not None]
         scale = self.scaler.scale
-        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        finite = all(bool(torch.isfinite(_values(g)).all()) for g in grads)
         flag = torch.tensor([0.0 if finite else 1.0])
         if dist.is_initialized() and dist.get_world_size(self.overflow_group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.overflow_group)
@@ -277,8 +277,12 @@ class Updater:
         self.scaler.update(overflow)
         if overflow:
             return False
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / scale)
+        for g in grads:  # sparse ones (an LSH layer's rows) scale on their own
+            if g.is_sparse:
+                g.mul_(1.0 / scale)
+        dense = [g for g in grads if not g.is_sparse]
+        if dense:
+            torch._foreach_mul_(dense, 1.0 / scale)
         return True
 
     def zero_grad(self) -> None:
@@ -412,3 +416,8 @@ def _buckets(masters: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
             buckets.append([i])
             size = nbytes
     return buckets
+
+
+def _values(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's stored numbers: a sparse one's values, else itself."""
+    return g.coalesce().values() if g.is_sparse else g

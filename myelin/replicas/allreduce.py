@@ -211,6 +211,12 @@ class _Reduction:
         grads = []
         for i in self.plan[b]:
             h = self.holders[i]
+            if h.grad is not None and h.grad.is_sparse:
+                raise ConfigError(
+                    f"AllReduce: parameter {i} of this stage {tuple(h.shape)} has a sparse "
+                    "gradient (an LSHSoftmax's rows, an nn.Embedding(sparse=True)), which the "
+                    "bucketed all-reduce cannot average: train that stage with data_parallel=1"
+                )
             self.had[i] = h.grad is not None
             if h.grad is None:
                 h.grad = torch.zeros_like(h)

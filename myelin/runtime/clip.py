@@ -68,13 +68,15 @@ class GlobalNorm:
         present = [g for g in grads if g is not None]
         vector = torch.zeros(self.total_slots, dtype=torch.float32, device=self.device)
         if self.counts:
-            norms = iter(torch._foreach_norm(present, 2.0) if present else [])
+            dense = [g for g in present if not g.is_sparse]
+            norms = iter(torch._foreach_norm(dense, 2.0) if dense else [])
             for slot, g in zip(self.slots, grads, strict=True):
                 if g is None:
                     if slot >= 0:
                         vector[slot] = _ABSENT
                     continue
-                norm = next(norms)
+                # a sparse gradient (an LSH layer's rows): the norm of its summed rows
+                norm = _sparse_norm(g) if g.is_sparse else next(norms)
                 if slot >= 0:
                     vector[slot] = norm.to(self.device, torch.float32)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
@@ -87,7 +89,15 @@ class GlobalNorm:
             coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for g in present:
-                by_device.setdefault(g.device, []).append(g)
+                if g.is_sparse:
+                    g.mul_(coef.to(g.device))
+                else:
+                    by_device.setdefault(g.device, []).append(g)
             for device, tensors in by_device.items():
                 torch._foreach_mul_(tensors, coef.to(device))
         return total
+
+
+def _sparse_norm(g: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of a sparse COO gradient (entries given twice are summed first)."""
+    return torch.linalg.vector_norm(g.coalesce().values().float(), 2.0)

@@ -75,8 +75,34 @@ def test_batches_are_sparse_bags_normalised_with_padded_labels():
         ({"keep": 0.0}, "keep"),
         ({"alpha": -1.0}, "alpha"),
         ({"own_features": 0, "topic_features": 0}, "own_features"),
+        ({"keep": "0.5"}, "keep"),
+        ({"alpha": None}, "alpha"),
+        ({"alpha": True}, "alpha"),
+        ({"extra_labels": "1"}, "extra_labels"),
+        ({"extra_labels": 16}, "extra_labels"),  # past what the per-row cap allows
     ],
 )
 def test_bad_shapes_are_rejected_naming_the_field(kw, field):
     with pytest.raises(ConfigError, match=field):
         XCConfig(**kw)
+
+
+def test_bad_seeds_and_batch_sizes_are_rejected_naming_the_field():
+    cfg = XCConfig(num_labels=50, num_features=40, train_rows=30, test_rows=10, topics=5)
+    with pytest.raises(ConfigError, match="seed=1.5"):
+        make_xc(cfg, seed=1.5)
+    with pytest.raises(ConfigError, match="config"):
+        make_xc({"num_labels": 50})
+    data = make_xc(cfg)
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=f"batch_size={bad}"):
+            next(data.test.batches(bad))
+
+
+def test_the_mean_of_extra_labels_is_what_was_asked():
+    cfg = XCConfig(num_labels=4000, num_features=300, train_rows=4000, test_rows=10, topics=20,
+                   extra_labels=4.0)  # fmt: skip
+    data = make_xc(cfg, seed=0)
+    per_row = (data.train.label_rows[1:] - data.train.label_rows[:-1]).float()
+    # the primary and 4 on average (a few fewer: capped at 8, repeats within a topic dropped)
+    assert per_row.mean() == pytest.approx(5.0, abs=0.2)
