@@ -117,7 +117,11 @@ def train(cfg: TrainConfig) -> None:
         if trainer.rank == 0:
             (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
             _say(_header(cfg, model, data, run_dir))
-        run_log = RunLog(run_dir, leader=trainer.rank == 0, resumed=trainer.steps_done > 0)
+        if trainer.steps_done >= cfg.steps:  # resumed after its last step: leave it as it is
+            if trainer.rank == 0:
+                _say(f"already complete at step {trainer.steps_done} of {cfg.steps}: nothing to do")
+            return
+        run_log = RunLog(run_dir, leader=trainer.rank == 0, resumed_at=trainer.steps_done)
         try:
             _train_steps(cfg, trainer, data, run_log)
         finally:
@@ -202,12 +206,18 @@ class RunLog(Callback):
     """Rank 0's record of training: metrics.jsonl, one rounded row per logged step, and
     the validation curve. On every other rank it only keeps the curve."""
 
-    def __init__(self, run_dir: Path, leader: bool, resumed: bool) -> None:
+    def __init__(self, run_dir: Path, leader: bool, resumed_at: int = 0) -> None:
         self.run_dir = run_dir
         self.leader = leader
-        mode = "a" if resumed else "w"  # a resumed run appends to its metrics
-        self.metrics = open(run_dir / "metrics.jsonl", mode) if leader else None
         self.val_curve: list[tuple[int, float]] = []
+        path = run_dir / "metrics.jsonl"
+        # resumed: the rows up to the checkpoint stay (and their validations start the
+        # curve); rows logged after it, before the run stopped, are logged again
+        kept = _rows_until(path, resumed_at) if resumed_at else []
+        self.val_curve = [(r["step"], r["val_loss"]) for r in kept if "val_loss" in r]
+        self.metrics = open(path, "w") if leader else None
+        for row in kept if leader else []:
+            self.metrics.write(json.dumps(row) + "\n")
 
     def on_log(self, trainer: Any, metrics: dict[str, Any]) -> None:
         row = _rounded(metrics)
@@ -221,6 +231,20 @@ class RunLog(Callback):
         """Close the metrics file."""
         if self.metrics is not None:
             self.metrics.close()
+
+
+def _rows_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """The rows of a metrics file logged at or before `step` (a torn last line dropped)."""
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+    return rows
 
 
 _DIGITS = {"loss": 5, "loss_avg": 5, "tokens_per_s": 1, "idle_frac": 4, "val_loss": 5}

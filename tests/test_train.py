@@ -126,21 +126,30 @@ def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
     assert code == 0, err[-5000:]
     metrics = out_dir / "metrics.jsonl"
     full = [json.loads(line) for line in metrics.read_text().splitlines()]
-    # as if killed right after step 7's checkpoint: drop what came later
+    # as if killed after step 7's checkpoint, having logged steps 8 to 14 (and a torn line)
     ckpt = out_dir / "checkpoint"
     shutil.rmtree(ckpt / "step-00000014")
     (ckpt / "latest").write_text("step-00000007")
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in full if r["step"] <= 7))
-    code, _, err = run_train([f"--resume={out_dir}"], tmp_path)
+    metrics.write_text(metrics.read_text() + '{"step": 15, "lo')
+    code, out, err = run_train([f"--resume={out_dir}"], tmp_path)
     assert code == 0, err[-5000:]
     again = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in again] == [r["step"] for r in full]
+    assert [r["step"] for r in again] == [r["step"] for r in full]  # each step once
+    first, last = full[0]["val_loss"], full[-1]["val_loss"]
+    assert f"validation loss {first:.3f} (step 0) -> {last:.3f} (step 14)" in out
     for a, b in zip(again, full):
         assert (a.get("loss"), a.get("val_loss"), a.get("lr")) == (
             b.get("loss"),
             b.get("val_loss"),
             b.get("lr"),
         )
+    # resumed once more, finished: it says so and leaves the run's results as they are
+    summary = (out_dir / "profile" / "summary.json").read_bytes()
+    code, out, err = run_train([f"--resume={out_dir}"], tmp_path)
+    assert code == 0, err[-5000:]
+    assert "already complete at step 14 of 14" in out
+    assert (out_dir / "profile" / "summary.json").read_bytes() == summary
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == again
 
 
 def test_runs_unchanged_under_torchrun_and_agrees_on_one_run_directory(tmp_path):

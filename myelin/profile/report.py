@@ -124,7 +124,9 @@ class ProfileReport:
             paths[f"rank{rec['rank']}"] = write_json(out / "ranks" / f"rank{rec['rank']}.json", rec)
         paths["summary"] = write_json(out / "summary.json", self.summary(), indent=1)
         paths["trace"] = write_json(out / "trace.json", self.trace())
-        if plot:
+        if plot and not self.steps:
+            log.info("profile: no steps were recorded, so no timeline is drawn")
+        elif plot:
             try:
                 paths["timeline"] = self.plot(out / "timeline.png")
             except MissingMatplotlib as exc:

@@ -44,6 +44,15 @@ def test_profile_directory_written_at_close(tmp_path, capsys):
     assert saved == json.loads(json.dumps(t.profile_report().summary()))
 
 
+def test_a_trainer_closed_before_any_step_saves_its_profile_without_a_timeline(tmp_path, caplog):
+    pytest.importorskip("matplotlib")
+    with caplog.at_level("WARNING"), trainer(tmp_path / "prof"):
+        pass
+    assert not [r for r in caplog.records if "could not finish the profile" in r.getMessage()]
+    names = {p.name for p in (tmp_path / "prof").iterdir()}
+    assert names == {"ranks", "summary.json", "trace.json"}  # nothing to draw: no steps
+
+
 def test_profile_true_prints_only(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with trainer(True) as t:
