@@ -164,7 +164,8 @@ def fit(
             )
             for hook in hooks:
                 hook.on_log(trainer, history[-1])
-        for done, batch in enumerate(_batches(loader, steps, epochs or 1), start=1):
+        batches = _with_end(_batches(loader, steps, epochs or 1))
+        for done, (batch, end) in enumerate(batches, start=1):
             inputs, targets = _pair(batch)
             t0 = time.perf_counter()
             loss = trainer.step(inputs, targets)
@@ -174,7 +175,7 @@ def fit(
             used = _time_used(trainer, start, max_seconds, waits)
             if scheduler is not None:
                 _advance(scheduler, max(step / final if final else 0.0, used))
-            last = done == total or used >= 1.0
+            last = done == total or used >= 1.0 or end  # end: a loader without len() ran out
             val = None
             if eval_loader is not None and (last or (eval_every and step % eval_every == 0)):
                 val = evaluate(trainer, eval_loader, eval_batches)
@@ -307,8 +308,28 @@ def _batches(loader: Iterable, steps: int | None, epochs: int) -> Iterator[Any]:
             given += 1
             if given == steps:
                 return
+        if given == before and given:
+            raise ConfigError(
+                f"fit: the loader ran out after {given} of steps={steps} batches and gave none "
+                f"when passed over again: a one-shot iterator (a generator) cannot be; give a "
+                f"loader that can (a list, a DataLoader) or fewer steps"
+            )
         if given == before:
             raise ConfigError("fit: the loader gave no batches")
+
+
+def _with_end(batches: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """Each batch with whether it is the last (one batch read ahead), so the run's final
+    validation, log row and checkpoint come at the end of a loader without len() too."""
+    it = iter(batches)
+    try:
+        batch = next(it)
+    except StopIteration:
+        return
+    for upcoming in it:
+        yield batch, False
+        batch = upcoming
+    yield batch, True
 
 
 def _even_steps(trainer: Trainable, loader: Iterable, epochs: int, uneven: str) -> int | None:

@@ -256,3 +256,28 @@ def test_only_the_one_that_froze_unfreezes():
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
+
+
+def test_a_loader_without_len_still_ends_with_validation_a_row_and_a_checkpoint(tmp_path):
+    batches = list(DataLoader(data(40), batch_size=8))
+
+    def one_pass():
+        yield from batches
+
+    with trainer() as t:
+        history = t.fit(
+            one_pass(),
+            epochs=1,
+            eval_loader=batches[:2],
+            log_every=100,
+            checkpoint_dir=tmp_path / "ck",
+            progress=False,
+        )
+    assert [row["step"] for row in history] == [5] and "val_loss" in history[0]
+    assert (tmp_path / "ck" / "latest").read_text() == "step-00000005"
+
+
+def test_a_one_shot_loader_shorter_than_steps_says_so():
+    batches = list(DataLoader(data(24), batch_size=8))
+    with trainer() as t, pytest.raises(ConfigError, match="ran out after 3 of steps=5.*one-shot"):
+        t.fit((b for b in batches), steps=5, progress=False)
