@@ -81,7 +81,8 @@ class Failures:
         if self.liveness is not None:
             self.liveness.failed = error
         if not isinstance(error, RemoteError):  # (a RemoteError's rank has told already)
-            launched.tell(f"failed {self.rank}")  # the launcher stops the others now
+            if not isinstance(error, PeerLostError):  # (the lost rank failed first, not this)
+                launched.tell(f"failed {self.rank}")  # the launcher stops the others now
             self.abort(error)
         if isinstance(error, Exception) and not getattr(error, "_myelin_recorded", False):
             self.flight.note(f"failed in {doing}: {type(error).__name__}")

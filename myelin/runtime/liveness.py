@@ -39,6 +39,7 @@ from myelin.errors import (
 )
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.launched import launcher_pid
+from myelin.runtime.launched import tell as tell_launcher
 
 __all__ = ["Liveness", "host_id", "pid_alive"]
 
@@ -233,9 +234,13 @@ class Liveness:
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
         failed = self.failed
+        doing = "closed its trainer"
         if failed is None and self._exiting:  # the script itself ended with an error
             failed = getattr(sys, "last_value", None)
-        beat: dict[str, Any] = {"rank": self.rank, "doing": "closed its trainer", "bye": True}
+            if failed is not None:  # raised in the user's code: this rank failed first
+                doing = f"raised {type(failed).__name__} in its script, outside the trainer"
+                tell_launcher(f"failed {self.rank}")
+        beat: dict[str, Any] = {"rank": self.rank, "doing": doing, "bye": True}
         beat["counts"] = list(self.counts)
         if failed is not None:
             beat["failed"] = f"{type(failed).__name__}: {failed}"[:300]

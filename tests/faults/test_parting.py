@@ -71,6 +71,8 @@ def test_a_rank_that_dies_is_named_wherever_its_peer_is(tmp_path, mode, die):
     job, victim, ended = run(tmp_path, mode, die)
     phrase = "its process" if die == "kill" else "the victim's own code failed"
     check_place(job, victim, ended, lost_phrase=phrase)
+    if mode in ("close", "user"):  # the launcher names the rank that raised, not its peer
+        assert "myelin run: rank 1 failed first" in job.output, job.output[-3000:]
 
 
 def check_uneven(job, victim, ended, *, mine: str, peer: str):
