@@ -144,6 +144,8 @@ def fit(
         hooks.append(ProgressBar())
     first = trainer.steps_done
     total = steps if steps is not None else _even_steps(trainer, loader, epochs or 1, uneven)
+    if total == 0:  # (every rank agrees: the shortest loader is empty)
+        raise ConfigError("fit: the loader gave no batches (an empty loader: nothing to train on)")
     final = first + total if total is not None else None
     scheduler = _scheduler(trainer, lr_schedule)
     plan = getattr(getattr(trainer, "replicas", None), "plan", None)

@@ -148,7 +148,8 @@ class TrainConfig:
         if not self.prompt:
             raise ConfigError("prompt='' must hold at least one character")
         parse_bytes(self.device_memory_limit, "device_memory_limit")
-        self.offload()  # checks host_memory_limit
+        parse_bytes(self.host_memory_limit, "host_memory_limit")  # named as the option is
+        self.offload()  # checks the rest of the offload settings
 
     def offload(self) -> OffloadConfig:
         """The offload settings these options ask for."""

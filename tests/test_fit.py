@@ -281,3 +281,9 @@ def test_a_one_shot_loader_shorter_than_steps_says_so():
     batches = list(DataLoader(data(24), batch_size=8))
     with trainer() as t, pytest.raises(ConfigError, match="ran out after 3 of steps=5.*one-shot"):
         t.fit((b for b in batches), steps=5, progress=False)
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_an_empty_loader_is_an_error_not_a_silent_return(epochs):
+    with trainer() as t, pytest.raises(ConfigError, match="gave no batches"):
+        t.fit([], epochs=epochs, progress=False)

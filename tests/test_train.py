@@ -222,6 +222,7 @@ def test_unknown_toml_key_is_named(tmp_path):
         ({"precision": "fp8"}, r"precision='fp8' must be one of fp32, bf16, fp16"),
         ({"device_memory_limit": "6 gigs"}, r"device_memory_limit"),
         ({"host_memory_limit": "0"}, r"host_memory_limit"),
+        ({"host_memory_limit": "abc"}, r"^host_memory_limit=.abc."),
     ],
 )
 def test_bad_values_are_named(values, message):
