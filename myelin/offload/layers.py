@@ -63,7 +63,16 @@ class Ahead:
             return self.nbytes
         if layer == 0:
             return layer_bytes[0] if self.layers else 0
-        return sum(layer_bytes[max(layer - self.layers, 0) : layer])
+        # the nearest `layers` layers below that hold pages: a layer can be left empty when
+        # a later one saves its output again (Linear, Tanh, Linear: the Tanh output is the
+        # second Linear's), and an empty window would bring nothing back early
+        total = taken = 0
+        for nbytes in reversed(layer_bytes[:layer]):
+            if taken == self.layers:
+                break
+            if nbytes:
+                total, taken = total + nbytes, taken + 1
+        return total
 
     def lowest(self, pages: Sequence[Any], pos: int, layer_bytes: Sequence[int]) -> int:
         """The first index of what should be on the device while backward is at

@@ -6,12 +6,14 @@ Run: python -m pytest -q tests/offload/test_layers.py
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
 
+import myelin
 from myelin.models import GPT, GPTConfig
 from myelin.offload.layers import Ahead, find_layers
 from myelin.partition import StageModule, stage_module
@@ -103,6 +105,41 @@ def test_one_layer_ahead_slides_page_by_page():
 def test_more_layers_ahead_and_none():
     assert Ahead(layers=2).lowest(PAGES, 11, LAYER_BYTES) == 3  # 80 bytes below
     assert Ahead(layers=0).lowest(PAGES, 11, LAYER_BYTES) == 11  # only what is needed now
+
+
+def test_the_window_skips_layers_left_without_pages():
+    # Linear, Tanh, Linear, ...: each Tanh output is saved again by the next Linear, whose
+    # layer takes its page, so every other layer ends empty
+    layer_bytes = [40, 0, 40, 0, 40, 0, 40]
+    assert Ahead(layers=1).window(layer_bytes, 6) == 40  # was 0: nothing came back early
+    assert Ahead(layers=2).window(layer_bytes, 6) == 80
+    assert Ahead(layers=0).window(layer_bytes, 6) == 0
+    assert Ahead(layers=1).window([0, 0, 30], 2) == 0  # nothing below holds pages
+
+
+def test_a_flat_sequential_brings_pages_back_ahead_as_its_blocks_do():
+    def run(flat: bool) -> dict:
+        torch.manual_seed(0)
+        pairs = [(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)]
+        if flat:
+            model = nn.Sequential(*[m for pair in pairs for m in pair])
+        else:
+            model = nn.Sequential(*[nn.Sequential(*pair) for pair in pairs])
+        offload = myelin.OffloadConfig(activations=True, min_bytes=1024)
+        opt = functools.partial(torch.optim.SGD, lr=1e-3)
+        with myelin.Trainer(model, opt, nn.functional.mse_loss, microbatches=2,
+                            offload=offload) as t:  # fmt: skip
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+            for _ in range(2):
+                t.step(x, x)
+            return t.memory_stats()
+
+    flat, blocks = run(True), run(False)
+    assert blocks["prefetch_hits"] > 0 and blocks["prefetch_misses"] == 0
+    assert (flat["prefetch_hits"], flat["prefetch_misses"]) == (
+        blocks["prefetch_hits"],
+        blocks["prefetch_misses"],
+    )
 
 
 def test_bytes_ahead_keep_at_least_one_page():
