@@ -17,6 +17,7 @@ from myelin.errors import (
 from myelin.init import init_empty, init_layers
 from myelin.offload.config import OffloadConfig
 from myelin.partition import StageModule, balance, layers_of, split
+from myelin.profile.config import ProfileConfig
 from myelin.replicas.allreduce import AllReduce
 from myelin.replicas.daso import DASO
 from myelin.replicas.easgd import EASGD
@@ -49,6 +50,7 @@ __all__ = [
     "PeerLeftError",
     "PeerLostError",
     "PipelineConfig",
+    "ProfileConfig",
     "RemoteError",
     "SCHEDULES",
     "StageModule",

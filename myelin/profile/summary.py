@@ -66,10 +66,14 @@ def summarize(
     steady_steps = steady(all_steps, warmup_steps)
     source = ranks[0].get("source", "myelin") if ranks else "myelin"
     expected: dict[int, float] = {}
+    whole_spans = spans  # the whole run's waits, attributed over every step (warm-up too)
     if source == "myelin" and steady_steps and not missing:
         cut = attribute(ranks, spans, steady_steps[0])  # the bubble apart from other waits
+        whole = attribute(ranks, spans, all_steps[0]) if all_steps[0] < steady_steps[0] else cut
         if cut is not None:
             spans, expected = cut
+        if whole is not None:
+            whole_spans = whole[0]
     rows = []
     for rec in ranks:
         rank_spans = spans[rec["rank"]]
@@ -82,7 +86,7 @@ def summarize(
             row["steady_state_from"] = "the kept window"  # its totals left out another warmup
         row.update(_figures(rank_spans, first, folded, how, steady=True))
         row["steps"] = [steady_steps[0], steady_steps[-1]] if steady_steps else []
-        row["whole_run"] = _figures(rank_spans, None, folded, how, steady=False)
+        row["whole_run"] = _figures(whole_spans[rec["rank"]], None, folded, how, steady=False)
         if rec["rank"] in expected:
             row["expected_bubble"] = expected[rec["rank"]]
         if rec.get("detail"):

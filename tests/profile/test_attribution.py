@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from myelin.profile.attribution import MESSAGE_CAUSES, attribute
-from myelin.profile.report import account, collect
+from myelin.profile.report import ProfileReport, account, collect
 from myelin.profile.timeline import Timeline
 
 F, B, OPT = 0.010, 0.020, 0.001
@@ -87,6 +87,21 @@ def test_latency_is_told_apart_from_the_bubble(p, m):
     assert rows[0]["idle"]["slow_peer"] > 0, rows[0]
     # the last stage waits at each step's start for stage 0, which finishes its step last
     assert rows[p - 1]["idle"]["sync"] > 0, rows[p - 1]
+
+
+def test_the_whole_runs_latency_includes_the_warmup_steps():
+    lines = gpipe(2, 4, steps=4, latency=0.002)
+    records = [collect(t, replica=0) for t in lines]
+    summary = ProfileReport.from_ranks(records, warmup_steps=1).summary()
+    _, _, _, cut = figures(lines, first_step=0)  # attributed from the first step
+    for r, row in enumerate(summary["ranks"]):
+        whole = row["whole_run"]
+        spans = cut[r]
+        wall = max(x.end for x in spans) - min(x.start for x in spans)
+        latency = sum(x.end - x.start for x in spans if x.cause == "latency") / wall
+        assert whole["idle"]["latency"] == pytest.approx(latency, rel=1e-6), r
+        # the warm-up step's waits are latency too, not bubble: more of it than steady state
+        assert whole["idle"]["latency"] > 0
 
 
 def test_without_every_rank_there_is_no_replay():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import myelin
 from myelin.errors import ConfigError
+from myelin.profile.config import ProfileConfig
 from myelin.profile.fixed import fixed_time_model
 
 pytestmark = pytest.mark.skipif(
@@ -66,3 +67,7 @@ def test_profile_settings_are_checked():
         trainer(3)
     with trainer(False) as t, pytest.raises(ConfigError, match="profile=True"):
         t.profile_report()
+
+
+def test_profile_config_is_public_beside_the_other_configs():
+    assert myelin.ProfileConfig is ProfileConfig and "ProfileConfig" in myelin.__all__
