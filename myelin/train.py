@@ -209,15 +209,14 @@ class RunLog(Callback):
     def __init__(self, run_dir: Path, leader: bool, resumed_at: int = 0) -> None:
         self.run_dir = run_dir
         self.leader = leader
-        self.val_curve: list[tuple[int, float]] = []
         path = run_dir / "metrics.jsonl"
         # resumed: the rows up to the checkpoint stay (and their validations start the
         # curve); rows logged after it, before the run stopped, are logged again
-        kept = _rows_until(path, resumed_at) if resumed_at else []
+        kept = _rows_until(path, resumed_at) if leader and resumed_at else []
         self.val_curve = [(r["step"], r["val_loss"]) for r in kept if "val_loss" in r]
-        self.metrics = open(path, "w") if leader else None
-        for row in kept if leader else []:
-            self.metrics.write(json.dumps(row) + "\n")
+        self.metrics = open(path, "w") if leader else None  # (read above, before this)
+        if self.metrics is not None:
+            self.metrics.writelines(json.dumps(row) + "\n" for row in kept)
 
     def on_log(self, trainer: Any, metrics: dict[str, Any]) -> None:
         row = _rounded(metrics)
