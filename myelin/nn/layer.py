@@ -95,8 +95,7 @@ class LSHSoftmax(SeededModule):
         # what happened in this process (not saved): rehashes, probes, last probe's change,
         # the last active set's size and its labels, retrieved (not labels) and floor classes
         self.stats = {"rebuilds": 0, "redraws": 0, "checks": 0, "last_change": 0.0}
-        self.stats["last_active"] = 0
-        self.stats.update(last_labels=0, last_retrieved=0, last_floor=0)
+        self.stats.update(last_active=0, last_labels=0, last_retrieved=0, last_floor=0)
         self.rebuild()
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:

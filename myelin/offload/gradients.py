@@ -12,6 +12,7 @@ parameter's shape that owns no memory of its own (a broadcast zero), so code tha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ class Gradients:
     def __init__(self, params: Sequence[nn.Parameter], half: bool) -> None:
         self.params = list(params)
         self.half = half
+        self.handles: list[Any] = []  # the summing hooks (half precision only)
         if not half:
             self.holders: list[torch.Tensor] = self.params
             return
@@ -37,7 +39,7 @@ class Gradients:
     def close(self) -> None:
         """Take the summing hooks off the parameters (the trainer closed: they are the
         user's again, and a backward of theirs keeps its own .grad)."""
-        for handle in getattr(self, "handles", ()):
+        for handle in self.handles:
             handle.remove()
 
     def grad(self, i: int) -> torch.Tensor | None:

@@ -91,6 +91,7 @@ class Updater:
         self._host_grads: list[torch.Tensor] = []
         self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
         self._armed = False
+        self._handles: list[Any] = []  # the stream hooks on the parameters (host mode)
         self._stepping: list[int] = []  # the bucket whose masters hold gradients now
         if mode == "host" and not self._in_place:
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
@@ -142,7 +143,7 @@ class Updater:
     def close(self) -> None:
         """Take this updater's gradient hooks off the parameters (Trainer.close)."""
         self.grads.close()
-        for handle in getattr(self, "_handles", ()):
+        for handle in self._handles:
             handle.remove()
 
     def arm(self) -> None:

@@ -91,6 +91,7 @@ class AllReduceReplicas(Strategy):
         self.overlapped = 0  # of them, launched during the last backward
         self.trace: list[tuple[str, int]] | None = None  # a list: (when, bucket) per launch
         self._hooked: tuple[list[Any], list[Any]] | None = None
+        self._handles: list[Any] = []  # the launch hooks on the parameters, once hooked
         self._step: _Reduction | None = None  # the reduction the hooks feed, while armed
 
     def last_backward(self, params: Sequence[Any], holders: Sequence[Any]) -> None:
@@ -114,7 +115,7 @@ class AllReduceReplicas(Strategy):
 
     def close(self) -> None:
         """Take the launch hooks off the parameters (Trainer.close)."""
-        for handle in getattr(self, "_handles", ()):
+        for handle in self._handles:
             handle.remove()
 
     def _final(self, i: int) -> Any:
