@@ -12,10 +12,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from myelin import train as train_job
+from myelin.errors import ConfigError
 from myelin.launch import GRACE_S, launch
-from myelin.profile import command as profile_command
-from myelin.runtime.transport_config import is_address
+from myelin.runtime.addresses import is_address
 
 __all__ = ["main", "launch"]
 
@@ -56,7 +55,9 @@ def _address(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only_run: bool = False) -> argparse.ArgumentParser:
+    """The whole command line; `only_run`: just `myelin run`, whose ranks then start before
+    torch is imported here (train's and profile's options import it)."""
     parser = argparse.ArgumentParser(
         prog="myelin", description="Message-driven pipeline training for PyTorch."
     )
@@ -92,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module (python -m)")
     run.add_argument("script", help="the Python script (or module, with -m) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    if only_run:
+        return parser
     from myelin import train as train_job
+    from myelin.profile import command as profile_command
 
     train_job.add_arguments(
         sub.add_parser(
@@ -116,24 +120,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only_run=argv[:1] == ["run"])
     args = parser.parse_args(argv)
     if args.command == "run":
         missing = _missing_script(args.script, args.module)
         if missing:
             parser.error(missing)  # before any process starts
-        return launch(
-            args.nproc,
-            args.script,
-            args.args,
-            args.master_port,
-            args.master_addr,
-            args.module,
-            grace_s=args.grace_period,
-        )
+        try:
+            return launch(
+                args.nproc,
+                args.script,
+                args.args,
+                args.master_port,
+                args.master_addr,
+                args.module,
+                grace_s=args.grace_period,
+            )
+        except ConfigError as exc:  # the rendezvous could not be served: no rank started
+            parser.error(str(exc))
     if args.command == "train":
+        from myelin import train as train_job
+
         return train_job.main(args)
     if args.command == "profile":
+        from myelin.profile import command as profile_command
+
         return profile_command.main(args)
     raise AssertionError(args.command)  # argparse rejects unknown commands
 

@@ -3,8 +3,9 @@
     code = launch(2, "train.py", ["--lr", "1e-3"])     # the exit status for the shell
 
 The launcher hosts the rendezvous store (as torchrun's agent does, so no port is picked
-and freed and raced for) and starts each rank in a process group of its own with
-torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+and freed and raced for) on a socket it binds before the first rank starts, serving it
+once they run (its torch import overlaps theirs). Each rank runs in a process group of
+its own with torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT and the TORCHELASTIC_* variables that point ranks at that store. Then, every
 50 ms:
 1. a rank that said it raised an error (through the pipe, before its slow exit), or else
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,14 +67,15 @@ def launch(
         raise ConfigError(f"grace_s={grace_s!r} must be a number of seconds")
     if not 0 <= grace_s <= 3600:
         raise ConfigError(f"grace_s={grace_s!r} must be in [0, 3600] seconds")
-    store = _host_store(master_addr, master_port)
+    listener = _listen(master_addr, master_port)
+    store = None
     reader, writer = os.pipe()
     os.set_blocking(reader, False)
     caught: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: caught.append(signum)) for s in _STOP_SIGNALS}
     ranks: list[_Rank] = []
     try:
-        env = _environment(nproc, master_addr, store.port, writer)
+        env = _environment(nproc, master_addr, listener.getsockname()[1], writer)
         cmd = [sys.executable, "-u", *(["-m"] if module else []), script, *args]
         for rank in range(nproc):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
@@ -80,6 +83,7 @@ def launch(
             ranks.append(_Rank(rank, proc))
         os.close(writer)
         writer = -1
+        store = _host_store(listener)  # ranks wait in the listen queue meanwhile
         return _supervise(ranks, reader, caught, grace_s)
     finally:
         _stop(ranks, grace_s)  # only if something above went wrong: nobody is left running
@@ -88,18 +92,45 @@ def launch(
         for fd in (reader, writer):
             if fd >= 0:
                 os.close(fd)
+        listener.close()  # a no-op once the store took it over
         del store
 
 
-def _host_store(addr: str, port: int | None):
-    """The rendezvous store every rank joins, served from this process."""
+def _listen(addr: str, port: int | None) -> socket.socket:
+    """The rendezvous socket, listening on `addr` (loopback by default) before any rank
+    starts: ranks that connect before the store serves it wait in its queue."""
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            addr.strip("[]"), port or 0, type=socket.SOCK_STREAM
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(where)
+            listener.listen(socket.SOMAXCONN)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as exc:
+        at = f"{addr}:{port}" if port else addr
+        raise ConfigError(f"myelin run: cannot serve the rendezvous at {at}: {exc}") from None
+    return listener
+
+
+def _host_store(listener: socket.socket):
+    """The rendezvous store every rank joins, served from this process on `listener` (the
+    store takes the socket over). torch is imported here, while the ranks import theirs."""
     from torch.distributed import TCPStore
 
+    host, port = listener.getsockname()[:2]
+    fd = listener.detach()
     try:
-        return TCPStore(addr, port or 0, None, True, wait_for_workers=False)
+        return TCPStore(host, port, None, True, wait_for_workers=False, master_listen_fd=fd)
     except (RuntimeError, OSError) as exc:
-        where = f"{addr}:{port}" if port else addr
-        raise ConfigError(f"myelin run: cannot serve the rendezvous at {where}: {exc}") from None
+        os.close(fd)
+        raise ConfigError(
+            f"myelin run: cannot serve the rendezvous at {host}:{port}: {exc}"
+        ) from None
 
 
 def _environment(nproc: int, addr: str, port: int, writer: int) -> dict[str, str]:

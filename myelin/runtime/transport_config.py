@@ -3,16 +3,15 @@ the counters a transport keeps (`TransportStats`)."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from myelin.errors import ConfigError
+from myelin.runtime.addresses import is_address, is_loopback
 from myelin.runtime.messages import MessageLimits
 
 __all__ = ["TransportConfig", "TransportStats", "is_address", "is_loopback"]
@@ -113,25 +112,6 @@ class TransportConfig:
             )
             return False
         return wanted
-
-
-def is_address(host: str) -> bool:
-    """An IP literal, or a host name as RFC 1123 spells one."""
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-        return True
-    except ValueError:
-        pass
-    labels = host.rstrip(".").split(".")
-    return 0 < len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
-
-
-_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine's loopback interface."""
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
