@@ -62,7 +62,10 @@ def _write_all(out: str, plot: bool, errors) -> None:
         errors.put(f"{type(exc).__name__}: {exc}")
 
 
-@pytest.mark.parametrize("plot", [False, pytest.param(True, id="with-png")])
+@pytest.mark.parametrize(
+    "plot",
+    [False, pytest.param(True, id="with-png", marks=pytest.mark.slow)],  # png: 6 s
+)
 def test_writers_in_many_processes_and_threads_leave_whole_files(tmp_path, plot):
     if plot:
         pytest.importorskip("matplotlib")

@@ -24,6 +24,7 @@ def _run_example(tmp_path, *args, ranks=2, timeout=240, **env):
     )
 
 
+@pytest.mark.slow  # 13 s; test_pipeline's four processes check 2 stages x 2 replicas bit for bit
 def test_quickstart_trains_with_two_stages_and_two_replicas(tmp_path):
     script = EXAMPLES / "quickstart.py"
     res = _run_example(
@@ -45,6 +46,7 @@ def test_hf_gpt2_example_learns_and_leaves_a_plain_tied_model(tmp_path):
     assert "embedding and head tied: True" in res.stdout
 
 
+@pytest.mark.slow  # 19 s; offload on two stages is checked bit for bit in test_pipeline
 def test_large_model_example_needs_offload_and_trains_with_it(tmp_path):
     script = EXAMPLES / "large_model_offload.py"
     res = _run_example(tmp_path, script, "--steps", "10")
@@ -60,6 +62,7 @@ def test_large_model_example_needs_offload_and_trains_with_it(tmp_path):
     assert "OffloadConfig(activations=True)" in res.stderr
 
 
+@pytest.mark.slow  # 18 s; tests/offload checks the issue's encoder and the peak
 def test_large_model_example_on_one_process_needs_offload_and_trains_with_it(tmp_path):
     """The whole model on one device, each backward right after its forward: only paging
     within the microbatch, layer by layer, brings it under the limit."""
@@ -79,6 +82,7 @@ def test_large_model_example_on_one_process_needs_offload_and_trains_with_it(tmp
     assert "OffloadConfig(activations=True)" in res.stderr
 
 
+@pytest.mark.slow  # 32 s; tests/hf checks Llama's stages, save_pretrained and weights=
 def test_hf_llama_example_learns_saves_and_starts_again_from_its_folder(tmp_path):
     pytest.importorskip("transformers")
     script = EXAMPLES / "hf_llama.py"

@@ -102,6 +102,16 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
         assert 0 <= r["idle_frac"] <= 1
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 4 and vals[-1] < vals[0], vals
+    # issue 11: learning shown from the untrained model on (a short run used to print
+    # "3.012 (step 40) -> 3.012 (step 40)"), and the memory each rank holds
+    assert f"validation loss {vals[0]:.3f} (step 0) -> {vals[-1]:.3f} (step 30)" in out, out
+    found = re.search(r"resident memory: rank 0 ([\d.]+) MiB, rank 1 ([\d.]+) MiB", out)
+    assert found, out
+    for rank in (0, 1):
+        memory = json.loads((out_dir / "memory" / f"rank{rank}.json").read_text())
+        assert memory["rss_peak_bytes"] >= memory["rss_bytes"] > 0, memory
+        shown = float(found.group(rank + 1))
+        assert abs(shown - memory["rss_bytes"] / 2**20) < 0.25 * shown, (shown, memory)
     assert "where the time went" in out and "validation loss" in out and "sample (" in out
     assert (out_dir / "sample.txt").read_text().startswith("def ")
     model = GPT(TrainConfig(**config).model_config())  # the final weights, a plain GPT

@@ -88,6 +88,7 @@ def test_flood_of_bad_messages_is_dropped_counted_logged_and_changes_nothing(job
         assert any(f"duplicate {kind} for microbatch" in line for line in mine), rank
 
 
+@pytest.mark.slow  # 11 s; test_security's CURVE run shuts outsiders out in the default suite
 def test_curve_refuses_the_attacker_forged_aborts_and_all(job):
     job = job("curve")
     _trained_exactly_like_a_clean_run(job)

@@ -171,6 +171,7 @@ def test_nothing_is_left_in_the_temp_folder(tmp_path):
     assert list(tmpdir.iterdir()) == []
 
 
+@pytest.mark.slow  # 10 s; the frozen peer's heartbeat loss is slow too
 def test_a_frozen_rank_does_not_hold_the_launcher(tmp_path):
     """SIGSTOP: rank 0 loses rank 1 by heartbeat timeout and fails; the launcher must end
     within 10 s of that first failure, not after waiting 30 s for the frozen rank."""

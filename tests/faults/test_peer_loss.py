@@ -46,6 +46,7 @@ def test_a_rank_killed_mid_step_is_named_by_its_peer(tmp_path, mode, doing):
     _check_survivors(job, tmp_path, 2, doing)
 
 
+@pytest.mark.slow  # 10 s, 4 ranks; two-rank losses are named in the default suite
 def test_a_rank_killed_in_the_all_reduce_is_named_by_all_three_others(tmp_path):
     job = launch(4, "peerloss.py", ["allreduce"], tmp_path, timeout=120)
     _check_survivors(job, tmp_path, 4, "reducing gradients")
@@ -82,6 +83,7 @@ def test_a_frozen_rank_is_lost_by_heartbeat_timeout(tmp_path):
     assert "nothing came from it for" in job.results[0]["error"]
 
 
+@pytest.mark.slow  # 9 s; test_train runs under torchrun in the default suite
 def test_peer_loss_under_torchrun(tmp_path):
     job = launch(2, "peerloss.py", ["backward"], tmp_path, timeout=90, launcher="torchrun")
     _check_survivors(job, tmp_path, 2, "1B")

@@ -79,6 +79,7 @@ def test_two_stages_of_every_family_match_plain_hf(tmp_path):
     _check(job, TWO, 2)
 
 
+@pytest.mark.slow  # 26 s; two stages of every family run the same paths
 def test_four_stages_of_every_family_match_plain_hf(tmp_path):
     job = launch(4, "hf_pipeline.py", FOUR, tmp_path, timeout=300, env=_env(tmp_path))
     _check(job, FOUR, 4)

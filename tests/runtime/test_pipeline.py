@@ -94,12 +94,14 @@ def test_four_processes_match_single_process(tmp_path):
         assert all(len(d) == 1 for d in by_stage.values()), "replicas drifted apart"
 
 
+@pytest.mark.slow  # 9 s; test_train and test_peer_loss run under torchrun too
 def test_runs_unchanged_under_torchrun(tmp_path):
     cases = ["gpt:2:1:message-driven:ipc:varied"]
     job = launch(2, "equivalence.py", cases, tmp_path, launcher="torchrun")
     _check(job, cases, 2)
 
 
+@pytest.mark.slow  # 10 s; tests/hf checks tied GPT-2 and meta Llama at 2 stages
 def test_hf_gpt2_with_tied_embedding_and_meta_init_matches_single_process(tmp_path):
     pytest.importorskip("transformers")
     cases = [
