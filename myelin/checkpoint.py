@@ -44,6 +44,7 @@ __all__ = [
     "check_resume",
     "verify",
     "latest_version",
+    "steps_saved",
     "state_layout",
     "gather",
 ]
@@ -358,6 +359,12 @@ def _check_model(trainer: Checkpointable, state: dict[str, torch.Tensor], where:
         raise CheckpointError(
             f"{where} does not match stage {stage} of this model:{reshard.listed(problems)}"
         )
+
+
+def steps_saved(path: str | os.PathLike) -> int:
+    """The training steps the newest complete version under `path` holds (its manifest
+    only: nothing else is read)."""
+    return int(_read_manifest(latest_version(path))["steps_done"])
 
 
 def _read_manifest(vdir: Path) -> dict[str, Any]:

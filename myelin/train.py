@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from myelin import train_model
+from myelin import checkpoint, train_model
 from myelin.callbacks import Callback
 from myelin.data import VOCAB_SIZE, Batches, TextData, decode, encode, load_stdlib_text
 from myelin.errors import ConfigError
@@ -83,9 +83,24 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"myelin train: error: {exc}", file=sys.stderr)
         return 2
+    if cfg.resume and _complete(cfg):
+        return 0
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=str(new_run_dir()))
     return launch(cfg.world_size, "myelin.train", to_argv(cfg), module=True)
+
+
+def _complete(cfg: TrainConfig) -> bool:
+    """Whether the run to resume already holds all its steps (said without starting ranks;
+    a missing or broken checkpoint is left for the ranks to report)."""
+    try:
+        done = checkpoint.steps_saved(Path(cfg.resume) / "checkpoint")
+    except (checkpoint.CheckpointError, KeyError, ValueError):
+        return False
+    if done < cfg.steps:
+        return False
+    _say(f"{cfg.resume}: already complete at step {done} of {cfg.steps}: nothing to do")
+    return True
 
 
 # -- one rank's run ------------------------------------------------------------------

@@ -158,6 +158,7 @@ def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
     code, out, err = run_train([f"--resume={out_dir}"], tmp_path)
     assert code == 0, err[-5000:]
     assert "already complete at step 14 of 14" in out
+    assert "myelin train: GPT" not in out  # said by the launcher: no rank was started
     assert (out_dir / "profile" / "summary.json").read_bytes() == summary
     assert [json.loads(line) for line in metrics.read_text().splitlines()] == again
 

@@ -54,13 +54,16 @@ def check_place(job, victim, ended, *, lost_phrase):
         pytest.param(
             "barrier",
             "raise",
-            marks=pytest.mark.xfail(
-                reason="a user's own dist.barrier() fails with gloo's RuntimeError as soon as "
-                "the peer's connection closes, before the heartbeats name the peer; myelin "
-                "does not wrap collectives it did not issue (its own go through "
-                "runtime/bounded.py)",
-                strict=False,
-            ),
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.xfail(  # a known limit: 6 s that assert nothing
+                    reason="a user's own dist.barrier() fails with gloo's RuntimeError as soon as "
+                    "the peer's connection closes, before the heartbeats name the peer; myelin "
+                    "does not wrap collectives it did not issue (its own go through "
+                    "runtime/bounded.py)",
+                    strict=False,
+                ),
+            ],
         ),
         ("user", "raise"),
         pytest.param("gather", "raise", marks=pytest.mark.slow),

@@ -67,8 +67,16 @@ def _split(job, case, stages=None):
             assert res[case]["weights"] > 0, (case, res[case]["stage"])
 
 
-def test_two_stages_match_single_process(tmp_path):
-    job = launch(2, "equivalence.py", TWO, tmp_path, timeout=180)
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """One 2-rank job for every two-stage case, plain and offloaded (each launch costs
+    its processes' torch imports)."""
+    tmp = tmp_path_factory.mktemp("two")
+    return launch(2, "equivalence.py", TWO + META_AND_TIED + OFFLOADED_TWO, tmp, timeout=360)
+
+
+def test_two_stages_match_single_process(two):
+    job = two
     _check(job, TWO, 2)
     _same_params(job, TWO[4:7] + TWO[9:10])  # the four schedules agree bit for bit
     varied = ["gpt:2:1:message-driven:ipc:varied", "gpt:2:1:1f1b:tcp:varied"]
@@ -101,16 +109,16 @@ def test_runs_unchanged_under_torchrun(tmp_path):
     _check(job, cases, 2)
 
 
-@pytest.mark.slow  # 10 s; tests/hf checks tied GPT-2 and meta Llama at 2 stages
-def test_hf_gpt2_with_tied_embedding_and_meta_init_matches_single_process(tmp_path):
-    pytest.importorskip("transformers")
-    cases = [
-        "hf:2:1:message-driven:ipc:fixed",
-        "hf:2:1:1f1b:tcp:varied:meta",
-        "gpt:2:1:gpipe:ipc:fixed:meta",
-    ]
-    job = launch(2, "equivalence.py", cases, tmp_path, timeout=180)
-    _check(job, cases, 2)
+# HF GPT-2 (its embedding tied to the head on the other stage) and meta-device init
+META_AND_TIED = [
+    "hf:2:1:message-driven:ipc:fixed",
+    "hf:2:1:1f1b:tcp:varied:meta",
+    "gpt:2:1:gpipe:ipc:fixed:meta",
+]
+
+
+def test_hf_gpt2_with_tied_embedding_and_meta_init_matches_single_process(two):
+    _check(two, META_AND_TIED, 2)
 
 
 def _offload_cases(base, names=("none", "act", "opt", "stream", "both"), precision=None):
@@ -134,31 +142,35 @@ def _paged(job, case, activations=True, optimizer=True):
     assert not optimizer or all(m["optimizer_host_bytes"] > 0 for m in mem)
 
 
-def test_offload_changes_nothing_on_two_stages(tmp_path):
-    gpipe = _offload_cases("gpt:2:1:gpipe:ipc:fixed")
-    varied = _offload_cases("gpt:2:1:message-driven:ipc:varied")
-    tied = ["hf:2:1:1f1b:ipc:fixed:eager:none", "hf:2:1:1f1b:ipc:fixed:eager:both"]
-    exact = [f"{case}:fp32:microbatch" for case in tied]  # GPT-2's tie added per microbatch
-    # GPT-2's blocks are Conv1D (addmm), not F.linear: under zero-bubble nothing splits there
-    exact_split = [*exact, "hf:2:1:zero-bubble:ipc:fixed:eager:none:fp32:microbatch"]
-    half = [_offload_cases("gpt:2:1:1f1b:ipc:fixed", ("none", "both"), p) for p in HALF]
-    # split backwards, their W streaming gradients to the host; under bf16; and with pages
-    # out (where backwards run whole: W would find the pages gone)
-    split = _offload_cases("gpt:2:1:zero-bubble:ipc:varied", ("stream", "both"))
-    bf16 = _offload_cases("gpt:2:1:zero-bubble:ipc:fixed", ("none", "stream"), "bf16")
-    cases = gpipe + varied + tied + exact_split + split
-    job = launch(2, "equivalence.py", cases + sum(half, bf16), tmp_path, timeout=240)
-    _check(job, cases, 2)
-    for group in (gpipe, varied + split, tied, exact_split, half[0] + bf16, half[1]):
+# The offloaded two-stage cases, by what is checked of them
+GPIPE = _offload_cases("gpt:2:1:gpipe:ipc:fixed")
+VARIED = _offload_cases("gpt:2:1:message-driven:ipc:varied")
+TIED = ["hf:2:1:1f1b:ipc:fixed:eager:none", "hf:2:1:1f1b:ipc:fixed:eager:both"]
+EXACT = [f"{case}:fp32:microbatch" for case in TIED]  # GPT-2's tie added per microbatch
+# GPT-2's blocks are Conv1D (addmm), not F.linear: under zero-bubble nothing splits there
+EXACT_SPLIT = [*EXACT, "hf:2:1:zero-bubble:ipc:fixed:eager:none:fp32:microbatch"]
+HALVES = [_offload_cases("gpt:2:1:1f1b:ipc:fixed", ("none", "both"), p) for p in HALF]
+# split backwards, their W streaming gradients to the host; under bf16; and with pages
+# out (where backwards run whole: W would find the pages gone)
+SPLIT = _offload_cases("gpt:2:1:zero-bubble:ipc:varied", ("stream", "both"))
+BF16 = _offload_cases("gpt:2:1:zero-bubble:ipc:fixed", ("none", "stream"), "bf16")
+CHECKED = GPIPE + VARIED + TIED + EXACT_SPLIT + SPLIT
+OFFLOADED_TWO = CHECKED + sum(HALVES, BF16)
+
+
+def test_offload_changes_nothing_on_two_stages(two):
+    job = two
+    _check(job, CHECKED, 2)
+    for group in (GPIPE, VARIED + SPLIT, TIED, EXACT_SPLIT, HALVES[0] + BF16, HALVES[1]):
         _identical(job, group)
-    for group in (gpipe, varied, tied, exact, *half):
+    for group in (GPIPE, VARIED, TIED, EXACT, *HALVES):
         _paged(job, group[-1])
     for res in job.results.values():  # one process's bits, offloaded or not
-        assert all(res[c]["param_diff"] == 0.0 for c in exact_split), exact_split
-        assert all(res[c]["losses"] == res[c]["ref_losses"] for c in exact_split), exact_split
-    for case in (split[0], *bf16):
+        assert all(res[c]["param_diff"] == 0.0 for c in EXACT_SPLIT), EXACT_SPLIT
+        assert all(res[c]["losses"] == res[c]["ref_losses"] for c in EXACT_SPLIT), EXACT_SPLIT
+    for case in (SPLIT[0], *BF16):
         _split(job, case)
-    assert all(res[split[1]]["weights"] == 0 for res in job.results.values())
+    assert all(res[SPLIT[1]]["weights"] == 0 for res in job.results.values())
 
 
 @pytest.mark.slow  # 16 s; two stages (the default suite) run the same paths
