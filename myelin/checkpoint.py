@@ -12,7 +12,10 @@ after the manifest is down, so a rank killed mid-save leaves the previous versio
 loadable. The manifest holds each shard's SHA-256 and the layers each stage held. Shards
 hold state by layer (reshard.py), so a checkpoint loads into any stages x data_parallel
 layout, each rank reading only the shards of its own layers; a corrupt shard or a model
-that does not match is named on load.
+that does not match is named on load, as is another optimizer class. A save at a step
+`latest` already names goes to `step-N.1` (then `.2`, ...), never into the version a
+resume would read; after a save the new version and the one before it are kept, and
+versions past it (the future of a run that was resumed from an older one) are removed.
 Shards hold tensors and plain data only: `torch.load(weights_only=True)` reads them.
 """
 
@@ -80,7 +83,8 @@ def save(
     """Write this rank's shard, then (rank 0) the manifest; every rank must call it."""
     root = Path(path)
     world = trainer.world
-    version = f"step-{trainer.steps_done:08d}"
+    previous = _latest_name(root)
+    version = _new_version(trainer.steps_done, previous)
     vdir = root / version
     vdir.mkdir(parents=True, exist_ok=True)
     shard = {
@@ -119,7 +123,7 @@ def save(
         text = json.dumps(manifest, indent=1).encode()
         _atomic_write(vdir / "manifest.json", lambda f: f.write(text))
         _atomic_write(root / "latest", lambda f: f.write(version.encode()))
-        _prune(root, keep=version)
+        _prune(root, version)
     _barrier(world)
     return vdir
 
@@ -391,9 +395,43 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _latest_name(root: Path) -> str | None:
+    """The version `root/latest` names, if any (every rank reads the same: the last save
+    moved it before its final barrier)."""
+    try:
+        return (root / "latest").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _order(name: str) -> tuple[int, int] | None:
+    """`step-00000120` -> (120, 0), `step-00000120.2` -> (120, 2); None if not a version."""
+    step, _, again = name.removeprefix("step-").partition(".")
+    if not name.startswith("step-") or not step.isdigit() or not (again or "0").isdigit():
+        return None
+    return int(step), int(again or 0)
+
+
+def _new_version(steps: int, previous: str | None) -> str:
+    """This save's directory: `step-N`, or `step-N.k` when `latest` names step N already,
+    so a save never writes into the version a resume would read."""
+    name = f"step-{steps:08d}"
+    order = _order(previous) if previous else None
+    if order is None or order[0] != steps:
+        return name
+    return f"{name}.{order[1] + 1}"
+
+
 def _prune(root: Path, keep: str) -> None:
-    versions = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != keep)
-    for old in versions[: max(0, len(versions) - (_KEEP - 1))]:
+    """Keep `keep` and the _KEEP - 1 versions before it; remove the rest, versions past it
+    included (a run resumed from an older version abandoned them)."""
+    versions = sorted(
+        (order, p) for p in root.glob("step-*") if p.is_dir() and (order := _order(p.name))
+    )
+    mine = _order(keep)
+    older = [p for order, p in versions if order < mine]
+    newer = [p for order, p in versions if order > mine]
+    for old in older[: max(0, len(older) - (_KEEP - 1))] + newer:
         shutil.rmtree(old, ignore_errors=True)
 
 

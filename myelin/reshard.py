@@ -135,7 +135,12 @@ def capture(
                     }
                 )
                 index += 1
-        optimizer = {"params": params, "groups": groups, "loss_scale": sd["loss_scale"]}
+        optimizer = {
+            "kind": _kind(updater.optimizer),
+            "params": params,
+            "groups": groups,
+            "loss_scale": sd["loss_scale"],
+        }
     return {
         "layers": list(sk.layers) if sk.layers is not None else None,
         "model": weights,
@@ -256,10 +261,17 @@ def _restore_optimizer(module, sk, updater, shards, saved, where) -> None:
     of each parameter (found by its layer keys), then loaded as the Updater loads any."""
     entries: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     loss_scale = None
+    mine = _kind(updater.optimizer)
     for shard in shards:
         opt = shard.get("optimizer")
         if opt is None:
             continue
+        if opt.get("kind", mine) != mine:  # checkpoints before the kind was kept: not checked
+            raise ReshardError(
+                f"{where}: the checkpoint's optimizer is {opt['kind']}, this trainer's is "
+                f"{mine}; its state (and settings) would not mean the same here: resume with "
+                "the optimizer it was saved with"
+            )
         loss_scale = loss_scale or opt.get("loss_scale")
         for entry in opt["params"]:
             group = opt["groups"][entry["group"]]
@@ -307,6 +319,11 @@ def _restore_optimizer(module, sk, updater, shards, saved, where) -> None:
             "loss_scale": loss_scale,
         }
     )
+
+
+def _kind(optimizer: Any) -> str:
+    """An optimizer's class as a checkpoint names it: `torch.optim.adamw.AdamW`."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -421,14 +421,13 @@ class Trainer:
         pretrained.require_safetensors("save_pretrained")
         pretrained.save(self.world, self.module, self._state_layout, path, self._configs)
 
-    def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
+    def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.
 
         `extra` is plain data to keep with this rank's shard (a data position, say);
-        `load` returns it. See `myelin.checkpoint` for the layout and guarantees.
-        """
+        `load` returns it. Returns the version written (`myelin.checkpoint`: guarantees)."""
         self._check_usable()
-        checkpoint.save(self, path, extra)
+        return checkpoint.save(self, path, extra)
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore the newest complete checkpoint under `path`; returns this rank's extra."""

@@ -95,6 +95,63 @@ def test_mismatched_model_says_what_differs(tmp_path):
     assert "0.weight: checkpoint has shape (16, 8), model has (32, 8)" in str(info.value)
 
 
+def test_another_optimizer_class_is_named_before_anything_loads(tmp_path):
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        train(trainer, 2)
+        trainer.save(tmp_path)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pytest.raises(
+        CheckpointError,
+        match="optimizer is torch.optim.adamw.AdamW, this trainer's is torch.optim.sgd.SGD",
+    ):
+        Trainer(model(), sgd, F.cross_entropy, resume=tmp_path)
+    adam = functools.partial(torch.optim.Adam, lr=1e-2)  # would have become AdamW silently
+    with pytest.raises(CheckpointError, match="torch.optim.adam.Adam"):
+        Trainer(model(), adam, F.cross_entropy, resume=tmp_path)
+
+
+def test_saving_again_at_the_same_step_never_writes_into_the_live_version(tmp_path):
+    """A second save at step 2 (after fit's last one, or at each start) goes to step-2.1:
+    until its manifest and `latest` are down, step-2 stays whole and loadable."""
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        train(trainer, 2)
+        first = trainer.save(tmp_path)
+        before = {f.name: f.read_bytes() for f in first.iterdir()}
+        second = trainer.save(tmp_path, extra={"again": True})
+        assert {f.name: f.read_bytes() for f in first.iterdir()} == before  # untouched
+        third = trainer.save(tmp_path)
+    assert (first.name, second.name, third.name) == (
+        "step-00000002",
+        "step-00000002.1",
+        "step-00000002.2",
+    )
+    assert not first.exists()  # pruned after the third: two versions kept
+    assert latest_version(tmp_path) == third and verify(tmp_path) == third
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [second.name, third.name]
+    with Trainer(model(), ADAMW, F.cross_entropy, resume=second) as again:
+        assert again.resumed_extra == {"again": True} and again.steps_done == 2
+
+
+def test_a_run_resumed_from_an_older_version_keeps_its_own_past(tmp_path):
+    """Run A saved steps 2 and 4; run B resumed from step 2 and saves step 3: A's step 4
+    (a future B abandoned) goes, B's fallback (step 2) stays."""
+    with Trainer(model(), ADAMW, F.cross_entropy) as a:
+        train(a, 2)
+        a.save(tmp_path)
+        train(a, 2)
+        a.save(tmp_path)
+    with Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path / "step-00000002") as b:
+        train(b, 1)
+        b.save(tmp_path)
+        assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+            "step-00000002",
+            "step-00000003",
+        ]
+        train(b, 1)
+        assert b.save(tmp_path).name == "step-00000004"  # a new version, not A's rewritten
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000004"]
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="resume=.* no complete checkpoint"):
         Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path / "nothing")

@@ -21,12 +21,17 @@ from torch import nn
 
 from myelin.errors import PartitionError
 
-__all__ = ["BY_HAND", "Found", "find", "is_hf_model"]
+__all__ = ["AUX_LOSS", "BY_HAND", "Found", "find", "is_hf_model"]
 
 BY_HAND = (
     "to pipeline a model of another shape, pass its layers by hand: an nn.Sequential or a "
     "list of modules (each taking the previous one's outputs), or give the model a "
     "pipeline_layers() method that returns them in order"
+)
+AUX_LOSS = (
+    "its loss would add the routers' auxiliary (load-balancing) loss, which myelin does not "
+    "carry between stages (each holds only its own routers' logits) and would drop without a "
+    "word; set model.config.output_router_logits = False to train on the language-model loss"
 )
 
 
@@ -56,6 +61,8 @@ def find(model: nn.Module) -> Found:
             f"{name} is an encoder-decoder model; myelin pipelines decoder-only HuggingFace "
             f"models (one list of blocks) by themselves; {BY_HAND}"
         )
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise PartitionError(f"{name} has output_router_logits=True; {AUX_LOSS}")
     keep_whole = set(getattr(model, "_no_split_modules", None) or ())
     if not keep_whole:
         raise PartitionError(

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from myelin.errors import MyelinError, PartitionError
-from myelin.hf.shape import BY_HAND, Found, find
+from myelin.hf.shape import AUX_LOSS, BY_HAND, Found, find
 from myelin.layers import StageModule
 
 __all__ = ["INPUTS", "Ends", "HFStage", "layers_of"]
@@ -232,6 +232,8 @@ class HFStage(StageModule):
                 f"the forward of {type(self.model).__name__} never ran this stage's first "
                 f"layer ({self.first_layer}) on the hidden state it received; {BY_HAND}"
             )
+        if getattr(out, "aux_loss", None) is not None:  # switched on after wrapping
+            raise PartitionError(f"{type(self.model).__name__} returned an aux_loss; {AUX_LOSS}")
         return out.logits
 
     def _unpack(

@@ -30,6 +30,30 @@ def test_blocks_embeddings_and_head_are_found_from_structure(family):
     assert held == {id(p) for p in model.parameters()}
 
 
+def test_router_auxiliary_losses_are_refused_not_dropped():
+    """An MoE model whose loss adds its routers' load-balancing loss: each stage holds only
+    its own routers' logits, so myelin says so rather than train without it."""
+    cfg = tf.MixtralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        output_router_logits=True,
+    )
+    model = tf.MixtralForCausalLM(cfg)
+    with pytest.raises(PartitionError, match="output_router_logits=True.*= False"):
+        myelin.split(model, 2)
+    model.config.output_router_logits = False
+    whole = stage_module(model, 1, 0)  # cut while off, then switched on
+    model.config.output_router_logits = True
+    with pytest.raises(PartitionError, match="returned an aux_loss"):
+        whole(torch.randint(0, 32, (2, 6)))
+
+
 def _chain(model, stages, partition, inputs):
     """Run stage after stage in this process, as the pipeline would, and return the logits."""
     out = inputs
