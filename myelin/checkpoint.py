@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from myelin import checkpoint_versions as versions
 from myelin import reshard
 from myelin.atomic import write_atomic
 from myelin.errors import ConfigError, MyelinError
@@ -55,7 +55,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: state by layer (reshard.py), any layout loads it; 1: by stage, same layout
-_KEEP = 2  # complete versions kept; older ones are removed after a successful save
 
 
 class CheckpointError(MyelinError):
@@ -83,8 +82,7 @@ def save(
     """Write this rank's shard, then (rank 0) the manifest; every rank must call it."""
     root = Path(path)
     world = trainer.world
-    previous = _latest_name(root)
-    version = _new_version(trainer.steps_done, previous)
+    version = versions.new_name(root, trainer.steps_done)
     vdir = root / version
     vdir.mkdir(parents=True, exist_ok=True)
     shard = {
@@ -123,7 +121,7 @@ def save(
         text = json.dumps(manifest, indent=1).encode()
         _atomic_write(vdir / "manifest.json", lambda f: f.write(text))
         _atomic_write(root / "latest", lambda f: f.write(version.encode()))
-        _prune(root, version)
+        versions.prune(root, version)
     _barrier(world)
     return vdir
 
@@ -393,46 +391,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _latest_name(root: Path) -> str | None:
-    """The version `root/latest` names, if any (every rank reads the same: the last save
-    moved it before its final barrier)."""
-    try:
-        return (root / "latest").read_text().strip() or None
-    except OSError:
-        return None
-
-
-def _order(name: str) -> tuple[int, int] | None:
-    """`step-00000120` -> (120, 0), `step-00000120.2` -> (120, 2); None if not a version."""
-    step, _, again = name.removeprefix("step-").partition(".")
-    if not name.startswith("step-") or not step.isdigit() or not (again or "0").isdigit():
-        return None
-    return int(step), int(again or 0)
-
-
-def _new_version(steps: int, previous: str | None) -> str:
-    """This save's directory: `step-N`, or `step-N.k` when `latest` names step N already,
-    so a save never writes into the version a resume would read."""
-    name = f"step-{steps:08d}"
-    order = _order(previous) if previous else None
-    if order is None or order[0] != steps:
-        return name
-    return f"{name}.{order[1] + 1}"
-
-
-def _prune(root: Path, keep: str) -> None:
-    """Keep `keep` and the _KEEP - 1 versions before it; remove the rest, versions past it
-    included (a run resumed from an older version abandoned them)."""
-    versions = sorted(
-        (order, p) for p in root.glob("step-*") if p.is_dir() and (order := _order(p.name))
-    )
-    mine = _order(keep)
-    older = [p for order, p in versions if order < mine]
-    newer = [p for order, p in versions if order > mine]
-    for old in older[: max(0, len(older) - (_KEEP - 1))] + newer:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _barrier(world: World) -> None:

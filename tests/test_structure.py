@@ -69,6 +69,7 @@ LAYERS = {
     "base": [
         "myelin.errors",
         "myelin.atomic",
+        "myelin.checkpoint_versions",
         "myelin.layers",
         "myelin.losses",
         "myelin.collector",
