@@ -87,6 +87,11 @@ def test_ranks_start_before_the_launcher_imports_torch(tmp_path):
         "dist.all_reduce(t)\n"
         "assert t.item() == dist.get_world_size()\n"
         "dist.destroy_process_group()\n"
+        "import os\n"  # the store listens on loopback only (torch's own binds every interface)
+        "port = '%04X' % int(os.environ['MASTER_PORT'])\n"
+        "rows = [r.split() for r in open('/proc/net/tcp').readlines()[1:]]\n"
+        "listening = [r[1] for r in rows if r[1].endswith(':' + port) and r[3] == '0A']\n"
+        "assert listening == ['0100007F:' + port], listening\n"
     )
     probe = (
         "import subprocess, sys\n"
