@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.module,
                 grace_s=args.grace_period,
             )
-        except ConfigError as exc:  # the rendezvous could not be served: no rank started
+        except ConfigError as exc:  # no rendezvous: no rank started, or none got to work
             parser.error(str(exc))
     if args.command == "train":
         from myelin import train as train_job

@@ -5,9 +5,9 @@
 The launcher hosts the rendezvous store (as torchrun's agent does, so no port is picked
 and freed and raced for) on a socket it binds before the first rank starts, serving it
 once they run (its torch import overlaps theirs). Each rank runs in a process group of
-its own with torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT and the TORCHELASTIC_* variables that point ranks at that store. Then, every
-50 ms:
+its own with torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT and the TORCHELASTIC_* variables that point ranks at that
+store. Then, every 50 ms:
 1. a rank that said it raised an error (through the pipe, before its slow exit), or else
    exited non-zero first, is the first failure; a frozen (SIGSTOPped) rank is killed as
    soon as a rank said it failed, since it cannot act on the failed rank's abort. Once a
