@@ -177,7 +177,7 @@ class ActivationStore:
             ptr = storage.data_ptr()
             if ptr not in persistent and ptr not in kept and t.device.type == kind:
                 self._keep(entry, t, ptr, storage.nbytes(), doing)
-            return t
+            return t.detach()  # (as in _keep)
 
         self._saving = entry
         try:
@@ -248,11 +248,13 @@ class ActivationStore:
     def _keep(
         self, entry: SavedMicrobatch, t: torch.Tensor, ptr: int, size: int, doing: str
     ) -> torch.Tensor:
-        """Account `t`'s storage (`size` bytes at `ptr`) once; it stays where it is."""
+        """Account `t`'s storage (`size` bytes at `ptr`) once; it stays where it is.
+        Returned detached: a node's saved output with its grad_fn would be a reference cycle
+        through autograd's graph, which no garbage collection frees if backward never runs."""
         if ptr not in entry.kept:
             self._grow(entry, size, doing)
             entry.kept[ptr] = size
-        return t
+        return t.detach()
 
     def _grow(self, entry: SavedMicrobatch, nbytes: int, doing: str) -> None:
         self.budget.add("activations", nbytes, doing)

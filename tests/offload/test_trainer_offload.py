@@ -7,6 +7,9 @@ tests/runtime/test_pipeline.py; these run one stage in this process.
 from __future__ import annotations
 
 import functools
+import gc
+import traceback
+import weakref
 
 import pytest
 import torch
@@ -91,6 +94,53 @@ def test_over_the_device_limit_only_offload_trains():
     assert stats["device_peak_measured_by"] == "accounting"
     assert stats["device_peak_bytes"] <= 6 << 20
     assert 4 * stats["device_peak_bytes"] <= ref_stats["device_peak_bytes"], (stats, ref_stats)
+
+
+class _FailsOnCall(torch.nn.Module):
+    """A GPT whose `fail_on`-th forward runs out of memory halfway, after its first block;
+    keeps weak references to every block's output (which the next block saves)."""
+
+    def __init__(self, gpt: GPT, fail_on: int) -> None:
+        super().__init__()
+        self.gpt, self.fail_on, self.calls, self.outputs = gpt, fail_on, 0, []
+        for block in gpt.blocks:
+            block.register_forward_hook(lambda m, i, out: self.outputs.append(weakref.ref(out)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            self.gpt.blocks[0](self.gpt.embed(idx))
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return self.gpt(idx)
+
+
+@pytest.mark.parametrize("offload", ["none", "act", "both"])
+def test_a_failed_step_frees_what_its_forward_saved(offload):
+    """A step that fails (here out of memory, microbatch 4 of 8 under GPipe) leaves nothing
+    of its forwards alive once the error is gone: a user who retries with offload, as the
+    error says, gets the whole device back (an H200 run kept 1.1 GiB of a failed step)."""
+    wrapped = {}
+
+    def failing(gpt):
+        wrapped["model"] = _FailsOnCall(gpt, fail_on=4)
+        return wrapped["model"]
+
+    with pytest.raises(myelin.DeviceMemoryError) as err:
+        train(SMALL, steps=1, model=failing, offload=OFFLOADS[offload])
+    _clear_tracebacks(err.value)
+    del err
+    gc.collect()
+    outputs = wrapped["model"].outputs
+    assert len(outputs) == 3 * SMALL.n_layer + 1, len(outputs)  # three whole forwards ran
+    alive = [tuple(ref().shape) for ref in outputs if ref() is not None]
+    assert not alive, f"{len(alive)} of {len(outputs)} block outputs still alive: {alive}"
+
+
+def _clear_tracebacks(exc: BaseException | None) -> None:
+    """Let go of the frames an error's tracebacks hold (and with them the failed run)."""
+    while exc is not None:
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 # How the model is given -> the layers its pages fall in: the blocks (the embedding saves
