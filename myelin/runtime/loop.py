@@ -275,7 +275,9 @@ class EventLoop:
     def _mean(self, losses: dict[int, Any], rows: dict[int, int]) -> float:
         """The step's loss: the mean, by rows if uneven; a StepLoss's shares: their sum."""
         m = self.config.microbatches
-        losses = {i: float(v) for i, v in losses.items()}  # the one wait for the device
+        own = [i for i, v in losses.items() if isinstance(v, torch.Tensor)]  # one read, one wait
+        read = torch.stack([losses[i].double().reshape(()) for i in own]).tolist() if own else []
+        losses = {i: float(v) for i, v in {**losses, **dict(zip(own, read))}.items()}
         if self.stage.shares:
             return self.stage.step_loss([losses[i] for i in range(m)])
         rows = rows or dict.fromkeys(range(m), 1)  # x * 1 and the count are exact

@@ -24,6 +24,7 @@ STEPS, LR = 5, 3e-3  # as in the worker
 BF16_LOSS_TOL = 0.02  # about 0.4% of the starting loss, ln(128) = 4.85
 # A few bf16 steps apart at 1.0 (LayerNorm weights), or every AdamW step's full size apart.
 BF16_PARAM_TOL = max(4 * 2.0**-7, STEPS * LR * 2)
+SCALAR_BLOCKS = 4096  # bytes of pinned blocks torch may add for its own scalar reads
 HOST_TOL = 1e-5  # the "host" optimizer steps on the CPU, whose kernels round differently
 
 EXACT = [  # equal to the reference bit for bit
@@ -103,9 +104,11 @@ def test_no_pinning_in_the_hot_path_after_the_first_step(fp32_job):
             pins = res[case]["pins"]  # pinned memory of its own
             assert pins["pinning_calls"] == 0, (case, rank, pins)
             assert not any(pins["pool_growth"].values()), (case, rank, pins)
-            # no new pinned block; requests from torch's pinned cache (each loss's `.item()`
-            # reads through a pinned scalar of torch's own) are not counted
-            assert pins["host_allocator"].get("num_host_alloc", 0) == 0, (case, rank, pins)
+            # no new pinned block but torch's own scalar staging: `.item()` reads through a
+            # pinned scalar from torch's cache, which an H200 run saw grow by two blocks of 5
+            # bytes in all (a page or a bucket here is 128 KiB or more)
+            grown = pins["host_allocator"].get("allocated_bytes.allocated", 0)
+            assert grown <= SCALAR_BLOCKS, (case, rank, pins)
 
 
 def test_two_stages_on_one_gpu_in_bf16_within_tolerance(tmp_path):

@@ -213,7 +213,8 @@ def _host_stats():
     if stats is None:
         return {}
     got = stats()
-    return {k: got[k] for k in ("num_host_alloc", "active_requests.allocated") if k in got}
+    keys = ("num_host_alloc", "allocated_bytes.allocated", "active_requests.allocated")
+    return {k: got[k] for k in keys if k in got}
 
 
 def contexts():
