@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -88,6 +88,13 @@ class Failures:
             self.flight.note(f"failed in {doing}: {type(error).__name__}")
             self.record(error)
         return error
+
+    def raise_failed(self, exc: BaseException, doing: str) -> NoReturn:
+        """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself."""
+        error = self.fail(exc, doing)
+        if error is exc:
+            raise exc
+        raise error from exc
 
     def record(self, error: BaseException) -> None:
         """Write the flight record for `error`, tell the launcher where, and put the

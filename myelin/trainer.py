@@ -196,8 +196,11 @@ class Trainer:
                 self.set_lr_schedule(lr_schedule)
             self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
             self._froze = collector.freeze()  # what lives now lives as long as the trainer
-        except BaseException:
+        except BaseException as exc:  # once connected, the peers are told why
+            error = exc if self.transport is None else self._failures.fail(exc, "starting")
             self.close()
+            if error is not exc:
+                raise error from exc
             raise
 
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
@@ -393,10 +396,7 @@ class Trainer:
         try:
             loss = run(self.seq, mb_inputs, mb_targets, rows)
         except BaseException as exc:
-            error = self._failures.fail(exc, failed)
-            if error is exc:
-                raise
-            raise error from exc
+            self._failures.raise_failed(exc, failed)
         self.seq += 1
         return loss
 

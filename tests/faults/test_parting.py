@@ -5,7 +5,8 @@ training step (inside close(), a profile gather, a checkpoint save, a barrier, o
 code between steps): the peer raises within 5 s, naming the lost rank (issue 11). A rank
 that closes its trainer while the other still expects it (uneven steps, uneven
 evaluations, uneven loaders under data parallelism): the waiting rank raises within 5 s,
-naming the peer and the steps each reached (issue 20). Workers: tests/workers/parting.py.
+naming the peer and the steps each reached (issue 20). A rank whose Trainer(resume=) fails
+is named with its error, not as one that left early. Workers: tests/workers/parting.py.
 
 The bound asserted is the issue's 5 s for the error (the rank's own clock against the
 victim's), and 15 s for the whole job to end: after the error, each process still tears
@@ -136,3 +137,21 @@ def test_uneven_loaders_under_data_parallelism(tmp_path):
         mine="rank 0 (stage 0, replica 0) is in training step 7",
         peer="0, replica 1) closed its trainer after 6 trainer.step and 0 eval_step calls",
     )
+
+
+def test_a_rank_whose_resume_fails_is_named_by_its_peer(tmp_path):
+    """Rank 1's own shard is truncated: its Trainer(resume=) raises CheckpointError, and
+    rank 0, already resumed and stepping, is told why within seconds: not that rank 1
+    left early, as a rank that closes its trainer after fewer steps would have."""
+    job, victim, ended = run(tmp_path, "bad-resume")
+    r0, r1 = job.results.get(0), job.results.get(1)
+    assert r1 is not None and r1["error_type"] == "CheckpointError", job.output[-3000:]
+    assert "corrupt or truncated" in r1["error"], r1
+    assert r0 is not None, f"rank 0 wrote nothing:\n{job.output[-4000:]}"
+    assert r0.get("resumed_at") == 2 and "steps" not in r0, r0
+    assert r0["error_type"] == "RemoteError" and r0["lost"] == 1, r0
+    assert "rank 1 failed: CheckpointError" in r0["error"], r0
+    assert "corrupt or truncated" in r0["error"], r0
+    assert "every rank must run the same steps" not in r0["error"], r0
+    assert r0["time"] - victim["time"] < RAISE_S, r0["time"] - victim["time"]
+    assert ended - victim["time"] < END_S, ended - victim["time"]

@@ -19,6 +19,9 @@ Uneven runs (rank 1 closes its trainer; it writes the time to victim.json):
                 both at 3 (uneven="shortest"); uneven="raise" raises before a step; then
                 generators (no len) of 5 and 3 batches: rank 0 is told rank 1 left.
 
+A resume that fails on one rank (bad-resume): both save after 2 steps and close; rank 1
+truncates its own shard and resumes (CheckpointError), rank 0 resumes and steps.
+
 Each rank writes rank{r}.json: what it raised (type, message, .rank), when, and the
 counters of its trainer.
 """
@@ -39,6 +42,7 @@ import myelin
 
 PLACES = ["close", "gather", "checkpoint", "barrier", "user"]
 UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit"]
+RESUME = ["bad-resume"]
 VICTIM = 1
 
 
@@ -138,10 +142,26 @@ def uneven_fit(args, rank, record):
     trainer.fit(stream, log_every=1, progress=False)
 
 
+def bad_resume(args, rank, record):
+    ckpt = os.path.join(args.out, "ckpt")
+    with build(args.out, profile=False) as trainer:
+        for i in range(2):
+            trainer.step(*batch(i))
+        version = trainer.save(ckpt)
+    if rank == VICTIM:
+        shard = version / f"rank{rank}.pt"
+        shard.write_bytes(shard.read_bytes()[:100])
+        write(args.out, "victim.json", {"time": time.time()})
+    with build(args.out, profile=False, resume=ckpt) as again:
+        record["resumed_at"] = again.steps_done
+        again.step(*batch(2))
+        record["steps"] = again.steps_done
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("mode", choices=PLACES + UNEVEN)
+    parser.add_argument("mode", choices=PLACES + UNEVEN + RESUME)
     parser.add_argument("--die", choices=["kill", "raise"], default="kill")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
@@ -151,6 +171,8 @@ def main():
             place(args, rank, record)
         elif args.mode == "uneven-fit":
             uneven_fit(args, rank, record)
+        elif args.mode == "bad-resume":
+            bad_resume(args, rank, record)
         else:
             uneven_steps(args, rank, record)
     except BaseException as exc:
