@@ -4,19 +4,29 @@ Full collections scan every tracked object; with torch imported that is a few hu
 thousand, tens of milliseconds at random points of a step (0.8 s of a 40-step `myelin
 train` on rank 0, issue 11.4). What is alive once a trainer is built lives as long as it,
 so it moves to the collector's permanent generation until the trainer closes. Cycles
-among those objects that die meanwhile are freed at the unfreeze, not before.
+among those objects that die meanwhile are freed at the unfreeze, not before. The freeze
+is the whole process's: where something froze objects already (the user, or another
+trainer still open) a trainer leaves it as it is, and its close does not undo it.
 """
 
 from __future__ import annotations
 
 import gc
 
-__all__ = ["freeze", "unfreeze"]
+__all__ = ["collect", "freeze", "unfreeze"]
+
+
+def collect() -> None:
+    """Free what died in cycles (a failed trainer held by its error's frames, say)."""
+    gc.collect()
 
 
 def freeze() -> bool:
-    """Collect once, then freeze every object alive now; True: the caller owes `unfreeze`."""
+    """Collect once, then freeze every object alive now, unless objects are frozen already;
+    True: the caller owes `unfreeze`."""
     gc.collect()
+    if gc.get_freeze_count():
+        return False
     gc.freeze()
     return True
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint, collector, compiled, hf, pretrained
+from myelin import checkpoint, collector, compiled, hf, pretrained, teardown
 from myelin import fit as fit_loop
 from myelin.config import (
     PipelineConfig,
@@ -52,7 +52,6 @@ from myelin.runtime.group import (
     Layout,
     World,
     check_world_size,
-    close_world,
     init_world,
 )
 from myelin.runtime.liveness import Liveness
@@ -183,12 +182,13 @@ class Trainer:
         self.liveness: Liveness | None = None
         chosen, any_cuda = stage_device(cfg, device, layout)
         self.world: World = init_world(layout, chosen, cfg.timeout, any_cuda)
-        threads = cfg.threads_of(self.world.stage)
-        if threads is not None and self.world.device.type == "cpu":
-            torch.set_num_threads(threads)
+        self._threads_before = teardown.set_threads(
+            cfg.threads_of(self.world.stage), self.world.device
+        )
         self._failures = Failures(self.world.rank, layout.world_size, flight_dir)
         self.flight = self._failures.flight
         try:
+            collector.collect()  # a failed trainer's cycles go before this one allocates
             self._build(model, optimizer, loss_fn)
             self.lr_scheduler = None
             self.resumed_scheduler_state = None
@@ -475,22 +475,7 @@ class Trainer:
         except BaseException as exc:  # a peer lost in the gather: this rank's error too
             raise self._failures.fail(exc, "close()") from None
         finally:
-            if getattr(self, "streams", None) is not None:
-                self.streams.close()  # the layers' pre-hooks, on the user's modules
-            if getattr(self, "loop", None) is not None:
-                self.loop.release_model()  # the loop's hooks, on the user's modules and params
-            if getattr(self, "replicas", None) is not None:
-                self.replicas.close()
-            if self.liveness is not None:
-                self.liveness.close()
-            if self.transport is not None:
-                self.transport.close()
-            close_world(self.world, self.liveness is not None and self.liveness.lost is not None)
-            if getattr(self, "budget", None) is not None:
-                self.budget.close()
-            collector.unfreeze(getattr(self, "_froze", False))
-            # Last: a launcher's SIGTERM while closing still raises the lost peer's name.
-            self._failures.release_sigterm()
+            teardown.release(self)
 
     def __enter__(self) -> Trainer:
         return self

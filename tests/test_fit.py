@@ -251,11 +251,14 @@ def test_only_the_one_that_froze_unfreezes():
     try:
         collector.unfreeze(False)
         assert gc.get_freeze_count() > 0
-        assert collector.freeze() is True
-        collector.unfreeze(True)
-        assert gc.get_freeze_count() == 0
+        assert collector.freeze() is False  # frozen already (the user, another trainer)
+        collector.unfreeze(False)
+        assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+    assert collector.freeze() is True
+    collector.unfreeze(True)
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_loader_without_len_still_ends_with_validation_a_row_and_a_checkpoint(tmp_path):

@@ -51,6 +51,7 @@ LAYERS = {
         "myelin.reshard",
         "myelin.pretrained",
         "myelin.stage_setup",
+        "myelin.teardown",
     ],
     "engine": [
         "myelin.runtime",

@@ -53,6 +53,19 @@ _MAX_STORAGE_RATIO = 4
 _AGAIN = " after backward had used them all: retain_graph=True is not supported with offload"
 
 
+def _weakly(store: ActivationStore) -> Any:
+    """`store._used`, through a weak reference: the store holding its own bound method
+    would be a cycle, keeping its host pool alive past close until a collection."""
+    ref = weakref.ref(store)
+
+    def on_used(used: _Used) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._used(used)
+
+    return on_used
+
+
 class _Used(weakref.ref):
     """A weak reference to a view backward unpacked, with its page (see `_used`)."""
 
@@ -93,7 +106,7 @@ class ActivationStore:
         self._waits: list[tuple[int, float, float]] = []  # (mb, start, end), perf_counter
         self._unpacked: dict[int, _Used] = {}  # id -> a view backward holds, with its page
         self._copier = Copier(self.device)
-        self._on_used = self._used  # bound once: the unpack hook passes it per view
+        self._on_used = _weakly(self)  # made once: the unpack hook passes it per view
 
     @property
     def pages_out(self) -> bool:
