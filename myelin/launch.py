@@ -186,9 +186,9 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
         print(f"myelin run: interrupted ({signal.Signals(signum).name}); {_stopped(ranks)}",
               file=sys.stderr, flush=True)  # fmt: skip
         return 128 + signum
-    if first is None:
-        return 0
     codes = {r.rank: r.code for r in ranks}
+    if first is None or not any(codes.values()):  # every rank ended well (one that raised
+        return 0  # and told, then caught its error and went on, too)
     print(
         f"myelin run: rank {first.rank} failed first (exit code {first.code}); exit codes by "
         f"rank: {codes}; {_stopped(ranks)}; see its error above",

@@ -171,6 +171,34 @@ def test_nothing_is_left_in_the_temp_folder(tmp_path):
     assert list(tmpdir.iterdir()) == []
 
 
+CAUGHT = """
+import functools, torch, myelin
+try:
+    myelin.Trainer(torch.nn.Linear(4, 4), functools.partial(torch.optim.AdamW, lr=0.1),
+                   torch.nn.functional.mse_loss, data_parallel=2,
+                   sync=myelin.EASGD(momentum=0.5))
+except myelin.ConfigError as exc:
+    print("caught", type(exc).__name__, flush=True)
+"""
+
+
+def test_an_error_every_rank_caught_is_not_a_failed_job(tmp_path):
+    """Each rank's Trainer raises ConfigError after the ranks connected, which tells the
+    launcher; each script catches it and ends well, so the job did too (exit 0)."""
+    script = tmp_path / "caught.py"
+    script.write_text(CAUGHT)
+    res = subprocess.run(
+        [sys.executable, "-m", "myelin.cli", "run", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,  # the ranks' flight records go to ./myelin-flight
+    )
+    assert res.stdout.count("caught ConfigError") == 2, res.stdout + res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "failed first" not in res.stderr, res.stderr[-3000:]
+
+
 @pytest.mark.slow  # 10 s; the frozen peer's heartbeat loss is slow too
 def test_a_frozen_rank_does_not_hold_the_launcher(tmp_path):
     """SIGSTOP: rank 0 loses rank 1 by heartbeat timeout and fails; the launcher must end
