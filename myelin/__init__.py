@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "myelin.callbacks": ["Callback"],
     "myelin.errors": [
+        "CheckpointError",
         "ConfigError",
         "DeadlineError",
         "DeviceMemoryError",
@@ -66,6 +67,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from myelin.callbacks import Callback
     from myelin.errors import (
+        CheckpointError,
         ConfigError,
         DeadlineError,
         DeviceMemoryError,

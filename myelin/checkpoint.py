@@ -35,7 +35,7 @@ from torch import nn
 from myelin import checkpoint_versions as versions
 from myelin import reshard
 from myelin.atomic import write_atomic
-from myelin.errors import ConfigError, MyelinError
+from myelin.errors import CheckpointError, ConfigError
 from myelin.offload.optimizer import Updater
 from myelin.runtime.group import World
 
@@ -55,10 +55,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: state by layer (reshard.py), any layout loads it; 1: by stage, same layout
-
-
-class CheckpointError(MyelinError):
-    """A checkpoint is missing, incomplete, corrupt, or does not match the model."""
 
 
 class Checkpointable(Protocol):

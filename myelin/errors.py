@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "MyelinError",
+    "CheckpointError",
     "ConfigError",
     "MessageError",
     "PartitionError",
@@ -80,3 +81,7 @@ class DeviceMemoryError(MyelinError, MemoryError):
 class HostMemoryError(MyelinError, MemoryError):
     """The host memory pool would pass its limit (or the machine's free memory); the
     message gives the numbers and the setting to change."""
+
+
+class CheckpointError(MyelinError):
+    """A checkpoint is missing, incomplete, corrupt, or does not match the model."""

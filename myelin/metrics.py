@@ -70,15 +70,17 @@ class Meter:
         summed over ranks)."""
         n = len(self.losses)
         last, avg = self.losses[-1] if n else math.nan, sum(self.losses) / max(1, n)
-        values = [*self._busy_and_wall(), *((last, avg) if self.local_loss else ())]
-        busy, wall, *losses = all_reduce(values, waits=self.waits)
+        values = [*self._busy_and_wall(), self.step_seconds]
+        values += [last, avg] if self.local_loss else []
+        busy, wall, seconds, *losses = all_reduce(values, waits=self.waits)
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
         if losses:  # the ranks of a replica hold its loss: the sum over ranks / ranks
-            ranks = dist.get_world_size() if dist.is_initialized() else 1
             last, avg = losses[0] / ranks, losses[1] / ranks
         row: dict[str, Any] = {"step": step, "loss": last, "loss_avg": avg}
         if lr is not None:
             row["lr"] = lr
-        row["tokens_per_s"] = self.tokens * self.replicas / max(self.step_seconds, 1e-9)
+        # over the ranks' mean time in trainer.step: one number on every rank
+        row["tokens_per_s"] = self.tokens * self.replicas / max(seconds / ranks, 1e-9)
         row["idle_frac"] = max(0.0, 1 - busy / wall) if wall > 0 else 0.0
         if val_loss is not None:
             row["val_loss"] = val_loss

@@ -130,6 +130,8 @@ def test_daso_and_easgd_steps_return_the_replicas_own_loss_without_a_collective(
         assert e["fit_own_differ"]
     losses = {tuple(r["daso"]["own_loss"]) for r in four.values()}
     assert len(losses) == 4  # four replicas, four batches, four losses
+    speeds = [r["easgd"]["fit_tokens_per_s"] for r in four.values()]
+    assert all(s == pytest.approx(speeds[0], rel=1e-12) for s in speeds), speeds  # one number
 
 
 def test_daso_ranks_identical_at_every_blocking_average(four):

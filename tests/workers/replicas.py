@@ -273,6 +273,7 @@ def case_easgd():
                  progress=False)  # fmt: skip
     losses = torch.stack(gather(torch.tensor(seen, dtype=torch.float64)))  # (replicas, steps)
     res["fit_rows"] = [[row["loss"], row["loss_avg"]] for row in rows]
+    res["fit_tokens_per_s"] = [row["tokens_per_s"] for row in rows]
     mean = losses.mean(0).tolist()
     res["fit_means"] = [[mean[1], (mean[0] + mean[1]) / 2], [mean[3], (mean[2] + mean[3]) / 2]]
     res["fit_own_differ"] = len(set(losses[:, 3].tolist())) == p
