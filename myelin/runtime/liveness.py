@@ -192,6 +192,10 @@ class Liveness:
     def anyone_left(self) -> bool:
         return any(p.left for p in self._peers.values())
 
+    def parted(self) -> int:
+        """How many peers said goodbye (closed their trainers)."""
+        return sum(peer.left for peer in self._peers.values())
+
     def left(self, where: str, strict: bool = False) -> PeerLeftError | None:
         """The error for a peer that left before reaching this rank's step and evaluation
         counts (or, `strict`, at all), so it cannot take part in what this rank waits for."""

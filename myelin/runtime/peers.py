@@ -51,4 +51,5 @@ def connect_peers(
     except BaseException:
         transport.close()
         raise
+    transport.closed.parted = liveness.parted  # a goodbye explains a closed connection
     return transport, liveness

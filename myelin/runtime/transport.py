@@ -32,6 +32,7 @@ from myelin.errors import DeadlineError, MessageError
 from myelin.runtime import shm
 from myelin.runtime.credits import Ledger
 from myelin.runtime.curve import Curve
+from myelin.runtime.departures import ClosedConnections
 from myelin.runtime.logs import Throttled
 from myelin.runtime.messages import Message, decode, encode
 from myelin.runtime.sockets import bind, send_frames
@@ -99,7 +100,7 @@ class Transport:
         frame_max = max(limits.max_tensor_bytes, limits.max_header_bytes)
         self._inbox.setsockopt(zmq.MAXMSGSIZE, frame_max)
         self.secure_server(self._inbox)
-        self._monitor = self._inbox.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.closed = ClosedConnections(self._inbox, rank, self._warn)
         self.address = self.bind_like(self._inbox, "")
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
@@ -270,7 +271,7 @@ class Transport:
         now = time.monotonic()
         deadline = now + max(timeout_s, 0.0)
         self._settle(now)
-        self._watch_connections()
+        self.closed.watch(self.stats)
         self._drain()
         self._flush_all()  # queued messages whose slot wait has timed out go inline now
         while not self._arrived and now < deadline:
@@ -288,17 +289,6 @@ class Transport:
         """The earliest time poll must look up from waiting: a debt to pay or a slot wait."""
         wakes = [p.shm.wait_until for p in self._peers.values() if p.shm and p.shm.wait_until]
         return min([*wakes, self._ledger.next_wake()])
-
-    def _watch_connections(self) -> None:
-        """Count and log connections to the inbox that closed (once per poll, not per drain)."""
-        while self._monitor.get(_EVENTS) & _POLLIN:
-            self._monitor.recv_multipart(flags=_NOBLOCK)  # an event: a connection closed
-            self.stats.dropped_connections += 1
-            self._warn.warning(
-                "rank %d: a connection to its inbox closed (a peer left, or sent a frame over "
-                "MessageLimits.max_tensor_bytes and was cut off)",
-                self.rank,
-            )
 
     def _drain(self) -> None:
         """Take what waits in the inbox: control messages act now, the rest wait for poll."""
@@ -427,8 +417,7 @@ class Transport:
         if self._shm_in is not None:
             self._shm_in.close()
         self._tracked.clear()
-        self._inbox.disable_monitor()
-        self._monitor.close(linger=0)
+        self.closed.close(self._inbox)
         self._inbox.close(linger=0)
         if self._curve is not None:
             self._curve.stop()

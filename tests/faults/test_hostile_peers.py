@@ -25,6 +25,7 @@ from torch import nn
 
 from myelin.errors import DeadlineError
 from myelin.runtime import shm
+from myelin.runtime.departures import GRACE_S
 from myelin.runtime.group import Layout, World
 from myelin.runtime.loop import EventLoop, LoopConfig
 from myelin.runtime.messages import Message, encode
@@ -276,7 +277,27 @@ def test_frame_over_the_limit_is_counted_and_logged(pair, caplog):
     raw.send_multipart(OVERSIZE.frames)
     _pump(a, b, until=lambda: b.stats.dropped_connections >= 1, timeout=2.0)
     assert b.stats.received_messages == 0
-    assert any("over MessageLimits" in r.getMessage() for r in caplog.records)
+
+    def warned():
+        return any("over MessageLimits" in r.getMessage() for r in caplog.records)
+
+    assert not warned()  # not yet: a goodbye may still come to explain it (GRACE_S)
+    _pump(a, b, until=warned, timeout=GRACE_S + 2.0)
+
+
+def test_a_connection_closed_by_a_peer_that_said_goodbye_is_not_warned_of(pair, caplog):
+    """A peer closing its trainer says goodbye on the heartbeats and closes its connection
+    to this inbox: counted, but no warning (the warning is for peers cut off or gone)."""
+    a, b, raw = pair
+    caplog.set_level(logging.WARNING, logger="myelin")
+    raw.connect(b.address)
+    raw.send_multipart(encode(Message("activation", 0, 0, 0, 1, [torch.zeros(4)])))
+    _pump(a, b, until=lambda: b.stats.received_messages + b.stats.rejected >= 1)
+    b.closed.parted = lambda: 1  # what liveness answers once the peer's goodbye came
+    raw.close()
+    _pump(a, b, until=lambda: b.stats.dropped_connections >= 1, timeout=2.0)
+    _settle(a, b, seconds=GRACE_S + 0.3)
+    assert not [r for r in caplog.records if "inbox closed" in r.getMessage()], caplog.text
 
 
 def test_forged_credit_cannot_lift_the_inflight_budget(pair):
