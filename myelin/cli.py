@@ -138,7 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 grace_s=args.grace_period,
             )
         except ConfigError as exc:  # no rendezvous: no rank started, or none got to work
-            parser.error(str(exc))
+            text = str(exc)  # not a usage error: no usage line
+            prefix = "" if text.startswith("myelin run:") else "myelin run: "
+            print(prefix + text, file=sys.stderr)
+            return 2
     if args.command == "train":
         from myelin import train as train_job
 

@@ -74,6 +74,7 @@ def test_a_busy_rendezvous_port_is_named_before_any_rank_starts(tmp_path):
     assert res.returncode == 2, res.stderr[-3000:]
     assert f"cannot serve the rendezvous at 127.0.0.1:{port}" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "started").exists()
+    assert "usage:" not in res.stderr, res.stderr  # the command was right; the port was not
 
 
 def test_ranks_start_before_the_launcher_imports_torch(tmp_path):
