@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import gc
 
-__all__ = ["collect", "freeze", "unfreeze"]
-
-
-def collect() -> None:
-    """Free what died in cycles (a failed trainer held by its error's frames, say)."""
-    gc.collect()
+__all__ = ["freeze", "unfreeze"]
 
 
 def freeze() -> bool:

@@ -92,9 +92,12 @@ class Failures:
     def raise_failed(self, exc: BaseException, doing: str) -> NoReturn:
         """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself."""
         error = self.fail(exc, doing)
-        if error is exc:
-            raise exc
-        raise error from exc
+        try:
+            if error is exc:
+                raise exc
+            raise error from exc
+        finally:  # the traceback holds this frame: its locals must not hold the error
+            del error, exc
 
     def record(self, error: BaseException) -> None:
         """Write the flight record for `error`, tell the launcher where, and put the

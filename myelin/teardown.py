@@ -53,3 +53,8 @@ def release(trainer: Trainer) -> None:
         torch.set_num_threads(threads)
     # Last: a launcher's SIGTERM while closing still raises the lost peer's name.
     trainer._failures.release_sigterm()
+    # The failure, kept to tell peers and to refuse later steps, holds the trainer through
+    # its traceback's frames: let it go, so the error is the user's alone to keep or drop.
+    trainer._failures.failed = None
+    if trainer.liveness is not None:
+        trainer.liveness.failed = None

@@ -188,7 +188,6 @@ class Trainer:
         self._failures = Failures(self.world.rank, layout.world_size, flight_dir)
         self.flight = self._failures.flight
         try:
-            collector.collect()  # a failed trainer's cycles go before this one allocates
             self._build(model, optimizer, loss_fn)
             self.lr_scheduler = None
             self.resumed_scheduler_state = None

@@ -135,3 +135,36 @@ def test_two_open_trainers_share_the_first_ones_freeze():
         assert gc.get_freeze_count() == 0  # the first undoes the freeze it made
         step(second)
         second.close()
+
+
+class _Fails(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:  # the second step's first microbatch
+            raise RuntimeError("the model failed")
+        return x
+
+
+@pytest.mark.parametrize("offload", [None, BOTH])
+def test_a_trainer_whose_step_failed_is_freed_once_its_error_is_dropped(offload):
+    """Reference counting alone frees it after close(): nothing of the trainer holds its
+    error (whose traceback's frames hold the trainer), so a user who retries gets the
+    memory back at once, not at the collector's next full pass."""
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), _Fails(), torch.nn.Linear(16, 4))
+    t = trainer(net, offload=offload)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="the model failed"):
+            step(t)
+            step(t)
+        t.close()
+        freed = weakref.ref(t)
+        del t
+        assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
+    finally:
+        gc.enable()
