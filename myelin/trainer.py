@@ -373,13 +373,15 @@ class Trainer:
         """
         self._check_usable()
         entered = f"evaluation step {self.seq - self.steps_done + 1}"
+        modes = [(m, m.training) for m in self.module.modules()]  # a frozen BatchNorm stays so
         self.module.eval()
         try:
             with self.model_view():
                 run = self.loop.run_eval
                 loss = self._run_batch(inputs, targets, run, entered, f"evaluation step {self.seq}")
         finally:
-            self.module.train()
+            for m, training in modes:
+                m.training = training
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
 

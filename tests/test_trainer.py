@@ -87,6 +87,26 @@ def test_tuple_inputs_reach_the_model_as_arguments():
     trainer.close()
 
 
+def test_eval_step_leaves_each_modules_mode_as_it_was():
+    """A frozen BatchNorm (eval mode inside a model that trains, as in fine-tuning) stays
+    frozen after an evaluation: eval_step put every module back in train mode, and the
+    next steps updated its running statistics, unlike plain PyTorch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    model[1].eval()
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(ref.parameters())
+    modes = [m.training for m in model.modules()]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    with Trainer(model, ADAMW, F.cross_entropy, microbatches=2) as trainer:
+        trainer.eval_step(x, y)
+        assert [m.training for m in model.modules()] == modes
+        loss = trainer.step(x, y)
+    assert loss == accumulate(ref, ref_opt, list(zip(x.chunk(2), y.chunk(2))), F.cross_entropy)
+    assert torch.equal(model[1].running_mean, ref[1].running_mean)  # not updated by steps
+
+
 def test_split_batch_shapes_and_errors():
     parts = split_batch(torch.arange(8), 4, "inputs")
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
