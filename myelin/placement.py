@@ -141,8 +141,11 @@ def parameter_names(model: Any, config: PipelineConfig, stage: int) -> dict[str,
 
 
 def layer_modules(module: nn.Module) -> list[tuple[int, nn.Module]] | None:
-    """(index in the whole model, layer) of each layer a placed stage runs in order; None
-    for a one-stage model that runs its own forward."""
-    if not isinstance(module, StageModule):
-        return None
-    return [(module.first_layer + i, layer) for i, layer in enumerate(module)]
+    """(index in the whole model, layer) of each layer a placed stage runs in order. A
+    one-stage model that runs its own forward: its `pipeline_layers()`, the layers a split
+    would run (so its dropout draws what a split model's would), else None."""
+    if isinstance(module, StageModule):
+        return [(module.first_layer + i, layer) for i, layer in enumerate(module)]
+    if hasattr(module, "pipeline_layers"):
+        return list(enumerate(layers_of(module)))
+    return None

@@ -255,6 +255,23 @@ def test_fit_callbacks_hear_of_every_step():
 # -- 17.2 (one process): myelin's dropout does not draw from the user's generator ----------------
 
 
+def test_dropout_of_a_model_run_whole_equals_it_run_as_its_layers():
+    """A one-stage model with pipeline_layers() runs its own forward, but its layers draw
+    from the streams a split run gives them: the same masks as partition=[all layers], and
+    so as any split of it (it drew from one stream of its own)."""
+    from myelin.models import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, d_model=16, dropout=0.3)
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 32, (8, 17), generator=g) for _ in range(3)]
+    runs = []
+    for partition in (None, [cfg.n_layer + 2]):
+        torch.manual_seed(0)
+        with Trainer(GPT(cfg), ADAMW, lm_loss, microbatches=2, partition=partition) as t:
+            runs.append([t.step(x[:, :-1], x[:, 1:]) for x in data])
+    assert runs[0] == runs[1]
+
+
 def test_training_leaves_the_users_random_generator_alone():
     """Each layer draws from a stream of its own, so every rank's global generator (and a
     DataLoader shuffling with it) advances only by the script's own draws."""

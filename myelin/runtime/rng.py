@@ -6,9 +6,10 @@ script's `torch.initial_seed()` when the Trainer was built (what `torch.manual_s
 While a stage runs layer i, that layer's state is in torch's default generator (and the
 device's); the script's own state is put back after every forward, so it advances only by
 the script's own draws, alike on every rank (a DataLoader that shuffles with it shuffles
-alike on every stage of a replica). A one-stage model that runs its own forward (not split
-into layers) draws from one stream, "model". Streams are saved in checkpoints by layer, so
-they move with their layers to any other split.
+alike on every stage of a replica). A one-stage model that runs its own forward draws from
+its `pipeline_layers()`' streams as a split one would, or, without them, from one stream,
+"model". Streams are saved in checkpoints by layer, so they move with their layers to any
+other split.
 """
 
 from __future__ import annotations
