@@ -196,11 +196,17 @@ class Trainer:
             self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
             self._froze = collector.freeze()  # what lives now lives as long as the trainer
         except BaseException as exc:  # once connected, the peers are told why
-            error = exc if self.transport is None else self._failures.fail(exc, "starting")
-            self.close()
-            if error is not exc:
+            error = exc
+            try:
+                error = exc if self.transport is None else self._failures.fail(exc, "starting")
+            finally:
+                self.close()
+            try:
+                if error is exc:
+                    raise
                 raise error from exc
-            raise
+            finally:  # the traceback holds this frame: a local holding the error is a cycle
+                del error
 
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
         cfg, world = self.config, self.world
@@ -380,6 +386,7 @@ class Trainer:
                 run = self.loop.run_eval
                 loss = self._run_batch(inputs, targets, run, entered, f"evaluation step {self.seq}")
         finally:
+            self.module.train(modes[0][1])  # first, so overrides run (an HF stage's whole model)
             for m, training in modes:
                 m.training = training
         self._failures.leave(self.steps_done, self.seq - self.steps_done)

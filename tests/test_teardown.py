@@ -168,3 +168,30 @@ def test_a_trainer_whose_step_failed_is_freed_once_its_error_is_dropped(offload)
         assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
     finally:
         gc.enable()
+
+
+def test_a_trainer_whose_constructor_failed_is_freed_once_its_error_is_dropped(monkeypatch):
+    made = []
+
+    class Kept(myelin.Trainer):
+        def _build(self, *args):
+            made.append(weakref.ref(self))
+            super()._build(*args)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the loop could not be built")
+
+    monkeypatch.setattr(trainer_module, "EventLoop", fail)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="the loop could not be built"):
+            Kept(
+                model(),
+                functools.partial(torch.optim.AdamW, lr=1e-3),
+                torch.nn.functional.cross_entropy,
+                offload=BOTH,
+            )
+        assert made and made[0]() is None
+    finally:
+        gc.enable()

@@ -266,12 +266,6 @@ class EventLoop:
             return None
         return self._rows[mb] / sum(self._rows.values())
 
-    def release_model(self) -> None:
-        """Take this loop's hooks off the user's modules and parameters (Trainer.close)."""
-        for part in (self.stage.activations, self.updater, self.ties):
-            if part is not None:
-                part.close()
-
     def _mean(self, losses: dict[int, Any], rows: dict[int, int]) -> float:
         """The step's loss: the mean, by rows if uneven; a StepLoss's shares: their sum."""
         m = self.config.microbatches

@@ -93,6 +93,21 @@ def test_the_model_is_left_as_it_was_after_a_stage_ran():
     assert dict(model.named_modules()) == before
 
 
+def test_eval_step_puts_the_whole_hf_model_back_in_train_mode():
+    """An HF stage's eval() reaches modules outside its layers (GPT-2's embedding dropout,
+    which no block holds); after eval_step they train again, as before it."""
+    cfg = tf.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                        embd_pdrop=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(cfg).train()
+    before = [m.training for m in model.modules()]
+    ids = torch.randint(0, 64, (2, 8))
+    with myelin.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.0), microbatches=1) as t:
+        t.eval_step(ids, ids)
+        assert [m.training for m in model.modules()] == before
+        assert model.transformer.drop.training
+
+
 def test_an_encoder_decoder_model_is_refused_with_what_to_do():
     model = tf.T5ForConditionalGeneration(
         tf.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
