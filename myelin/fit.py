@@ -154,7 +154,8 @@ def fit(
         plan(per_epoch, epochs or 1 if per_epoch is not None else None)
     waits = trainer.world.waits
     local = bool(getattr(getattr(trainer, "replicas", None), "local_loss", False))
-    meter = Meter(trainer.timeline, trainer.world.layout.data_parallel, waits, local_loss=local)
+    replicas, replica = trainer.world.layout.data_parallel, trainer.world.replica
+    meter = Meter(trainer.timeline, replicas, waits, local_loss=local, replica=replica)
     history: list[dict[str, Any]] = []
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)

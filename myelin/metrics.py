@@ -32,11 +32,16 @@ class Meter:
     """Loss, throughput and idle share since the last row."""
 
     def __init__(
-        self, timeline: Timeline, replicas: int, waits: Any = None, local_loss: bool = False
+        self,
+        timeline: Timeline,
+        replicas: int,
+        waits: Any = None,
+        local_loss: bool = False,
+        replica: int = 0,
     ) -> None:
         self.timeline = timeline
         self.waits = waits  # bounded waits for the all-reduce of each row (runtime/bounded.py)
-        self.replicas = replicas  # every replica trains on as many tokens as this one
+        self.replicas, self.replica = replicas, replica  # how many, and this rank's
         # the steps' losses are each replica's own (DASO, EASGD): the row averages them
         self.local_loss = local_loss
         self._reset()
@@ -73,14 +78,17 @@ class Meter:
         values = [*self._busy_and_wall(), self.step_seconds]
         values += [last, avg] if self.local_loss else []
         busy, wall, seconds, *losses = all_reduce(values, waits=self.waits)
+        mine = [float(self.tokens if r == self.replica else 0) for r in range(self.replicas)]
+        tokens = sum(all_reduce(mine, "max", self.waits))  # a replica's: its ranks' count
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         if losses:  # the ranks of a replica hold its loss: the sum over ranks / ranks
             last, avg = losses[0] / ranks, losses[1] / ranks
         row: dict[str, Any] = {"step": step, "loss": last, "loss_avg": avg}
         if lr is not None:
             row["lr"] = lr
-        # over the ranks' mean time in trainer.step: one number on every rank
-        row["tokens_per_s"] = self.tokens * self.replicas / max(seconds / ranks, 1e-9)
+        # every replica's tokens over the ranks' mean time in trainer.step: one number on
+        # every rank, also where the replicas' batches differ
+        row["tokens_per_s"] = tokens / max(seconds / ranks, 1e-9)
         row["idle_frac"] = max(0.0, 1 - busy / wall) if wall > 0 else 0.0
         if val_loss is not None:
             row["val_loss"] = val_loss

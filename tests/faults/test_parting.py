@@ -122,6 +122,7 @@ def test_uneven_loaders_under_data_parallelism(tmp_path):
     # uneven="shortest" (the default): both replicas stop after the shorter loader's 3 steps
     assert r0["shortest"]["steps"] == r1["shortest"]["steps"] == [1, 2, 3], (r0, r1)
     assert r0["shortest"]["losses"] == r1["shortest"]["losses"]  # averaged over replicas
+    assert r0["shortest"]["tokens_per_s"] == r1["shortest"]["tokens_per_s"]  # 16 + 12 rows
     # uneven="raise": every rank raises before its first step, naming each rank's length
     for res in (r0, r1):
         raised = res["raise"]
