@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -192,9 +193,9 @@ class Liveness:
     def anyone_left(self) -> bool:
         return any(p.left for p in self._peers.values())
 
-    def parted(self) -> int:
-        """How many peers said goodbye (closed their trainers)."""
-        return sum(peer.left for peer in self._peers.values())
+    def parted(self, ranks: Iterable[int]) -> int:
+        """How many of `ranks` said goodbye (closed their trainers)."""
+        return sum(self._peers[r].left for r in ranks if r in self._peers)
 
     def left(self, where: str, strict: bool = False) -> PeerLeftError | None:
         """The error for a peer that left before reaching this rank's step and evaluation

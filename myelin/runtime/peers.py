@@ -51,5 +51,7 @@ def connect_peers(
     except BaseException:
         transport.close()
         raise
-    transport.closed.parted = liveness.parted  # a goodbye explains a closed connection
+    # the goodbye of a rank connected to this inbox (a neighbour, or one that sent to it)
+    # explains its connection closing; the others' would explain nothing
+    transport.closed.parted = lambda: liveness.parted({*peers, *transport.heard_from})
     return transport, liveness

@@ -101,6 +101,7 @@ class Transport:
         self._inbox.setsockopt(zmq.MAXMSGSIZE, frame_max)
         self.secure_server(self._inbox)
         self.closed = ClosedConnections(self._inbox, rank, self._warn)
+        self.heard_from: set[int] = set()  # ranks whose messages this inbox accepted
         self.address = self.bind_like(self._inbox, "")
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
@@ -326,6 +327,7 @@ class Transport:
                 "rank %d: rejected a message from unknown rank %d", self.rank, msg.src
             )
             return None
+        self.heard_from.add(msg.src)  # a rank connected to this inbox (departures.py)
         if msg.kind == "control" and msg.meta.get("op") in _CONTROL_OPS:
             _CONTROL_OPS[msg.meta["op"]](self, msg.src, msg.meta)
             return None
