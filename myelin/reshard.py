@@ -189,14 +189,24 @@ def restore(
             found.update(shard.get("streams", {}))
         fresh = streams.load_state_dict(found, steps)
         if fresh:
-            unmoved.append(_unmoved_streams(fresh, streams.replica, stream_shards is None, where))
+            whole = set(found) == {"model"}  # saved by a model that ran its own forward
+            unmoved.append(
+                _unmoved_streams(fresh, streams.replica, stream_shards is None, where, whole)
+            )
     return unmoved
 
 
-def _unmoved_streams(fresh: list[str], replica: int, no_replica: bool, where: str) -> str:
+def _unmoved_streams(
+    fresh: list[str], replica: int, no_replica: bool, where: str, whole: bool = False
+) -> str:
     what = "its layers'" if fresh != ["model"] else "its model's"
     if no_replica:
         why = f"the checkpoint has no replica {replica}"
+    elif whole and fresh != ["model"]:
+        why = (
+            "the checkpoint holds the one random stream of a model that ran its own forward "
+            "(as one-stage runs did before they drew from their layers' streams)"
+        )
     elif fresh == ["model"]:
         why = (
             "the checkpoint holds one stream per layer, and this one-stage model runs its "

@@ -230,3 +230,15 @@ def test_many_kills_at_random_points_of_saving(tmp_path, attempt):
     import random
 
     _kill_one_rank_mid_save(tmp_path, delay=random.Random(attempt).uniform(0.0, 1.5))
+
+
+def test_a_whole_model_stream_resumed_by_layers_is_named_as_such():
+    """A checkpoint of a one-stage run that drew from one stream ("model", as a model with
+    pipeline_layers() did before it drew per layer) resumed by layers: the warning says
+    what the checkpoint holds, not that it holds no stream."""
+    from myelin.reshard import _unmoved_streams
+
+    text = _unmoved_streams(["0", "1"], 0, False, "ckpt (rank 0)", whole=True)
+    assert "the one random stream of a model that ran its own forward" in text
+    assert "holds no stream" not in text
+    assert "holds no stream for layer(s) 0, 1" in _unmoved_streams(["0", "1"], 0, False, "x")
