@@ -19,9 +19,9 @@ __all__ = ["freeze", "unfreeze"]
 def freeze() -> bool:
     """Collect once, then freeze every object alive now, unless objects are frozen already;
     True: the caller owes `unfreeze`."""
-    gc.collect()
-    if gc.get_freeze_count():
+    if gc.get_freeze_count():  # (before the collection: a full pass costs 0.1-0.2 s)
         return False
+    gc.collect()
     gc.freeze()
     return True
 
