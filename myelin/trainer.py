@@ -195,18 +195,13 @@ class Trainer:
                 self.set_lr_schedule(lr_schedule)
             self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
             self._froze = collector.freeze()  # what lives now lives as long as the trainer
-        except BaseException as exc:  # once connected, the peers are told why
-            error = exc
+        except BaseException as exc:
             try:
-                error = exc if self.transport is None else self._failures.fail(exc, "starting")
+                if self.transport is not None:  # once connected, the peers are told why
+                    self._failures.raise_failed(exc, "starting")
+                raise
             finally:
                 self.close()
-            try:
-                if error is exc:
-                    raise
-                raise error from exc
-            finally:  # the traceback holds this frame: a local holding the error is a cycle
-                del error
 
     def _build(self, model: Any, optimizer: Callable, loss_fn: Callable) -> None:
         cfg, world = self.config, self.world
