@@ -17,6 +17,7 @@ import zmq
 __all__ = ["ClosedConnections", "GRACE_S"]
 
 GRACE_S = 1.0  # a goodbye and the connection's close travel apart: which comes first varies
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # (per poll)
 
 
 class ClosedConnections:
@@ -31,13 +32,13 @@ class ClosedConnections:
 
     def watch(self, stats: Any) -> None:
         """Take the monitor's events (once per poll); warn of those still unexplained."""
-        now = time.monotonic()
-        while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
-            self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+        while self.monitor.get(_EVENTS) & _POLLIN:
+            self.monitor.recv_multipart(flags=_NOBLOCK)
             stats.dropped_connections += 1
-            self._pending.append(now)
+            self._pending.append(time.monotonic())
         if not self._pending:
             return
+        now = time.monotonic()
         matched = min(len(self._pending), self.parted() - self._explained)
         self._explained += matched
         del self._pending[:matched]
