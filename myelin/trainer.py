@@ -178,6 +178,7 @@ class Trainer:
         self._report: ProfileReport | None = None
         self.sampler: Sampler | None = None
         self._closed = False
+        self._froze, self._steps_here = False, 0  # collector.freeze, after AFTER_STEPS steps
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
         chosen, any_cuda = stage_device(cfg, device, layout)
@@ -194,7 +195,6 @@ class Trainer:
             if lr_schedule is not None:
                 self.set_lr_schedule(lr_schedule)
             self.resumed_extra = checkpoint.load(self, resume) if resume is not None else None
-            self._froze = collector.freeze()  # what lives now lives as long as the trainer
         except BaseException as exc:
             try:
                 if self.transport is not None:  # once connected, the peers are told why
@@ -365,6 +365,9 @@ class Trainer:
         loss = self._run_batch(inputs, targets, self.loop.run_step, entered, failed)
         self.steps_done += 1
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
+        self._steps_here += 1
+        if self._steps_here == collector.AFTER_STEPS:  # what lives now lives as long as it
+            self._froze = collector.freeze()
         return loss
 
     def eval_step(self, inputs: Any = None, targets: Any = None) -> float:
