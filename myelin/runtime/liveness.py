@@ -238,6 +238,8 @@ class Liveness:
         atexit.unregister(self._close_at_exit)
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
+        if not self._thread.is_alive():
+            self._take()  # goodbyes that came since the thread last looked
         failed = self.failed
         doing = "closed its trainer"
         if failed is None and self._exiting:  # the script itself ended with an error
@@ -255,6 +257,9 @@ class Liveness:
                 beat["lost"], beat["lost_doing"] = failed.rank, failed.doing[:200]
         bye = msgpack.packb(beat)
         for peer in self._peers.values():
+            if peer.left:  # it closed its inbox: a goodbye would only wait out the linger
+                peer.sock.close(linger=0)
+                continue
             try:
                 peer.sock.send(bye, flags=zmq.NOBLOCK)
             except zmq.ZMQError:

@@ -118,3 +118,24 @@ def test_news_of_what_a_rank_does_is_rate_limited_and_the_latest_arrives():
         assert len(wakes) <= 30, len(wakes)  # was ~120: one per beat received
     finally:
         _close(transports, lives)
+
+
+def test_a_rank_closing_after_its_peer_said_goodbye_sends_it_nothing():
+    """A goodbye to a rank that closed its inbox cannot arrive: sending one only made the
+    context's teardown wait out the socket's linger (200 ms a close, on the rank that closed
+    last)."""
+    transports, lives = _ranks(2)
+    try:
+        lives[1].close()
+        transports[1].close()
+        peer = lives[0]._peers[1]
+        deadline = time.monotonic() + 10
+        while not peer.left and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert peer.left
+        sent, send = [], peer.sock.send
+        peer.sock.send = lambda *a, **k: sent.append(a) or send(*a, **k)
+        lives[0].close()
+        assert sent == []
+    finally:
+        _close(transports, lives)
