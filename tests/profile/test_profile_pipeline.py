@@ -4,8 +4,9 @@ Fixed-time stages (sleeps: 20 ms forward, 40 ms backward) give the same figure h
 many cores the ranks share: every rank within 5 points. Real compute on two stages of a
 2-core machine is noisier: each operation's time jitters by several percent, and under
 GPipe the faster stage waits for the slower one at every handoff, which is real idle
-time the profiler sees; the figure lands a few points above the formula. The default
-suite checks it within 10 points; the slow suite within 5, as the median of three runs.
+time the profiler sees; the figure lands a few points above the formula. The slow suite
+checks it within 5 points, as the median of three runs (test_bubble.py checks real
+compute in the default suite, against the bubble the measured op times imply).
 A timing figure that misses is measured once more before the test fails: the machine is
 shared, and a burst of load delays wake-ups.
 """
@@ -22,7 +23,7 @@ from tests._procs import Job, launch
 from tests.profile.test_report import check_trace
 
 TOL = 0.05  # the issue's 5 percentage points
-REAL_TOL = 0.10  # real compute in the default suite; the slow test holds it to TOL
+REAL_TOL = 0.10  # real compute measured once (measure()); the slow test holds it to TOL
 FIXED_TWO = ["fixed:2:4:gpipe", "fixed:2:8:gpipe"]
 REAL_TWO = ["mlp:2:4:gpipe", "mlp:2:8:gpipe"]
 
@@ -114,9 +115,9 @@ def check_files(job, case: str, ranks: int) -> None:
     assert len(image.getcolors(1 << 20)) > 50
 
 
-def test_two_stages_fixed_and_real_compute_and_a_torch_trace(tmp_path, capsys):
+def test_two_fixed_stages_and_a_torch_trace(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    job = measure(2, [*FIXED_TWO, *REAL_TWO, "torch"], FIXED_TWO[0], tmp_path)
+    job = measure(2, [*FIXED_TWO, "torch"], FIXED_TWO[0], tmp_path)
     check_files(job, FIXED_TWO[0], 2)
     # `myelin profile` on the traces torch.profiler wrote, one file per rank
     traces = tmp_path / "out" / "torch_traces"
