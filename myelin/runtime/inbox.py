@@ -75,7 +75,9 @@ class Inbox:
         self.step = 0
         self.early: list[Message] = []
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}  # by microbatch, for forwards
-        self.grads: dict[int, tuple[list[torch.Tensor], list[int], float]] = {}  # for backwards
+        # for backwards: output gradients, their positions, and the step's losses on the
+        # step's last gradient (None on the others)
+        self.grads: dict[int, tuple[list[torch.Tensor], list[int], list[float] | None]] = {}
         self.rows: dict[int, int] = {}  # rows of each microbatch of a batch split unevenly
         self.ties = ties  # tied gradients added per microbatch: their pieces come first
         self.pieces: dict[int, dict[int, tuple[list[int], list[torch.Tensor]]]] = {}
@@ -216,16 +218,22 @@ class Inbox:
             return False
         if msg.kind == "tied":
             return self._accept_pieces(msg, ready)
-        index, loss = msg.meta.get("index"), msg.meta.get("loss")
+        index, losses = msg.meta.get("index"), msg.meta.get("losses")
         if not isinstance(index, list) or any(type(i) is not int for i in index):
             raise MyelinError(
                 f"rank {self.world.rank}: gradient of microbatch {mb} from rank {msg.src} has "
                 f"meta.index={index!r}, expected a list of output positions"
             )
-        if not isinstance(loss, float):
+        m = self.microbatches
+        if losses is not None and (
+            not isinstance(losses, list)
+            or len(losses) != m
+            or any(not isinstance(v, float) for v in losses)
+        ):
             raise MyelinError(
                 f"rank {self.world.rank}: gradient of microbatch {mb} from rank {msg.src} has "
-                f"meta.loss={loss!r}, expected a float"
+                f"meta.losses={losses!r:.200}, expected the step's {m} microbatch losses "
+                f"(floats)"
             )
         rows = msg.meta.get("rows")
         if rows is not None and (type(rows) is not int or rows < 1):
@@ -234,7 +242,7 @@ class Inbox:
                 f"meta.rows={rows!r}, expected the microbatch's row count (an int >= 1)"
             )
         self._arrived.add(("gradient", mb))
-        self.grads[mb] = (msg.tensors, index, loss)
+        self.grads[mb] = (msg.tensors, index, losses)
         if rows is not None:
             self.rows[mb] = rows
         self._maybe_ready(mb, ready)

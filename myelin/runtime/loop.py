@@ -266,12 +266,25 @@ class EventLoop:
             return None
         return self._rows[mb] / sum(self._rows.values())
 
+    def _floats(self, losses: dict[int, Any]) -> dict[int, float]:
+        """Every microbatch's loss of the step as a float: the last stage's own tensors read
+        in one transfer (one wait for the device, not one a microbatch); the other stages'
+        came with the step's last gradient."""
+        m = self.config.microbatches
+        if sorted(losses) != list(range(m)):
+            raise MyelinError(
+                f"rank {self.world.rank} (stage {self.stage.index}): step {self._step} has the "
+                f"losses of microbatches {sorted(losses)} of {m}; the next stage sends them "
+                f"all with the step's last gradient"
+            )
+        own = [i for i, v in losses.items() if isinstance(v, torch.Tensor)]
+        read = torch.stack([losses[i].double().reshape(()) for i in own]).tolist() if own else []
+        return {i: float(v) for i, v in {**losses, **dict(zip(own, read))}.items()}
+
     def _mean(self, losses: dict[int, Any], rows: dict[int, int]) -> float:
         """The step's loss: the mean, by rows if uneven; a StepLoss's shares: their sum."""
         m = self.config.microbatches
-        own = [i for i, v in losses.items() if isinstance(v, torch.Tensor)]  # one read, one wait
-        read = torch.stack([losses[i].double().reshape(()) for i in own]).tolist() if own else []
-        losses = {i: float(v) for i, v in {**losses, **dict(zip(own, read))}.items()}
+        losses = self._floats(losses)
         if self.stage.shares:
             return self.stage.step_loss([losses[i] for i in range(m)])
         rows = rows or dict.fromkeys(range(m), 1)  # x * 1 and the count are exact
@@ -315,7 +328,8 @@ class EventLoop:
         ready.ran("F", mb)
         self.stats.forwards += 1
         if stage.is_last:
-            self.inbox.grads[mb] = ([], [], stage.loss(mb))
+            self._losses[mb] = stage.loss(mb)
+            self.inbox.grads[mb] = ([], [], None)
             if mb in self._rows:
                 self.inbox.rows[mb] = self._rows[mb]
             ready.backward.add(mb)
@@ -326,7 +340,9 @@ class EventLoop:
     def _backward(self, action: Action, ready: Ready) -> None:
         mb, stage = action.microbatch, self.stage
         ready.backward.discard(mb)
-        grads, index, loss = self.inbox.grads.pop(mb)
+        grads, index, losses = self.inbox.grads.pop(mb)
+        if losses is not None:  # the next stage's last gradient of the step: every loss
+            self._losses = dict(enumerate(losses))
         self._before_backward(mb, ready, whole=action.kind == "B")
         if self.ties is not None:
             self.ties.before_backward(self.inbox.pieces.pop(mb, {}))
@@ -337,13 +353,15 @@ class EventLoop:
                 self.outbox.send(self._step, dest, "tied", mb, pieces, {"keys": keys})
         self._record_waits()
         self._prefetch()
-        self._losses[mb] = loss
         ready.ran("B", mb)
         if stage.weights_wait(mb):  # its W runs when the policy picks it
             ready.weights.append(mb)
         self.stats.backwards += 1
         if not stage.is_first:
-            meta = {"index": in_index, "loss": float(loss)}
+            meta: dict[str, Any] = {"index": in_index}
+            if ready.backwards_done == ready.microbatches:  # the step's last: its losses
+                self._losses = self._floats(self._losses)
+                meta["losses"] = [self._losses[i] for i in range(ready.microbatches)]
             if mb in self.inbox.rows:
                 meta["rows"] = self.inbox.rows[mb]
             self.outbox.send(self._step, stage.index - 1, "gradient", mb, in_grads, meta)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from myelin import DeadlineError, RemoteError
+from myelin import DeadlineError, MyelinError, RemoteError
 from myelin.runtime.group import Layout, World
 from myelin.runtime.loop import EventLoop, LoopConfig
 from myelin.runtime.messages import Message
@@ -58,7 +58,9 @@ def act(mb, step=0, src=0, stage=1, x=None):
     return Message("activation", src, step, mb, stage, [x])
 
 
-def test_last_stage_runs_each_microbatch_and_sends_gradients_with_losses():
+def test_last_stage_runs_each_microbatch_and_sends_the_losses_with_its_last_gradient():
+    """The losses are read once, at the step's last backward (on a GPU, one wait for the
+    device a step instead of one a microbatch), and travel with that gradient."""
     inbox = [act(i) for i in range(M)]
     loop, transport, module = last_stage_loop(inbox)
     ref = copy.deepcopy(module)
@@ -72,8 +74,9 @@ def test_last_stage_runs_each_microbatch_and_sends_gradients_with_losses():
         losses.append(li.item())
         dst, sent = transport.sent[i]
         assert (dst, sent.kind, sent.microbatch, sent.stage) == (0, "gradient", i, 0)
-        assert sent.meta == {"index": [0], "loss": li.item()}
+        assert sent.meta == {"index": [0], **({"losses": losses} if i == M - 1 else {})}
         assert torch.equal(sent.tensors[0], x.grad)
+    assert transport.sent[-1][1].meta["losses"] == losses
     assert loss == sum(losses) / M
     for a, b in zip(module.parameters(), ref.parameters()):
         assert torch.equal(a.grad, b.grad)
@@ -133,21 +136,62 @@ def test_waiting_past_the_deadline_names_rank_stage_step_microbatch_and_peer():
 
 
 def test_gradient_with_the_wrong_shape_is_a_clear_error():
-    torch.manual_seed(0)
-    world = World(rank=0, layout=Layout(2, 1), device=torch.device("cpu"))
-    stage = Stage(nn.Linear(4, 5), 0, 2, world.device, F.cross_entropy)
-    bad = Message("gradient", 1, 0, 0, 0, [torch.zeros(2, 7)], {"index": [0], "loss": 0.5})
-    transport = ScriptedTransport([bad])
-    loop = EventLoop(
-        stage,
-        world,
-        transport,
-        make_policy("message-driven", 1),
-        None,
-        LoopConfig(microbatches=1, timeout_s=5, poll_s=0.001),
-    )
+    bad = Message("gradient", 1, 0, 0, 0, [torch.zeros(2, 7)], {"index": [0], "losses": [0.5]})
+    loop = first_stage_loop([bad])
     with pytest.raises(
         Exception,
         match=r"gradient of output 0 of microbatch 0 has shape \(2, 7\), expected \(2, 5\)",
     ):
         loop.run_step(0, [(torch.randn(2, 4),)], None)
+
+
+class AfterForwards(ScriptedTransport):
+    """Delivers its messages only once every forward's activation has gone out (as rank 1
+    would answer them), one per poll."""
+
+    def __init__(self, inbox, forwards):
+        super().__init__(inbox)
+        self.forwards = forwards
+
+    def poll(self, timeout_s):
+        return super().poll(timeout_s) if len(self.sent) >= self.forwards else []
+
+
+def first_stage_loop(inbox: list[Message], microbatches: int = 1) -> EventLoop:
+    """Stage 0 of 2 (Linear(4, 5)), fed `inbox` as if rank 1 had sent it."""
+    torch.manual_seed(0)
+    world = World(rank=0, layout=Layout(2, 1), device=torch.device("cpu"))
+    stage = Stage(nn.Linear(4, 5), 0, 2, world.device, F.cross_entropy)
+    return EventLoop(
+        stage,
+        world,
+        AfterForwards(inbox, microbatches),
+        make_policy("message-driven", microbatches),
+        None,
+        LoopConfig(microbatches=microbatches, timeout_s=5, poll_s=0.001),
+    )
+
+
+def grad(mb: int, meta: dict) -> Message:
+    return Message("gradient", 1, 0, mb, 0, [torch.zeros(2, 5)], meta)
+
+
+@pytest.mark.parametrize("losses", [[0.5], [1, 2], "0.5,0.25", [0.5, "0.25"], {"0": 0.5}], ids=str)
+def test_losses_that_are_not_the_steps_floats_are_named(losses):
+    loop = first_stage_loop([grad(0, {"index": [0]}), grad(1, {"index": [0], "losses": losses})], 2)
+    with pytest.raises(
+        MyelinError, match=r"meta\.losses=.*expected the step's 2 microbatch losses"
+    ):
+        loop.run_step(0, [(torch.randn(2, 4),), (torch.randn(2, 4),)], None)
+
+
+def test_a_step_whose_gradients_carry_no_losses_is_named_not_averaged():
+    loop = first_stage_loop([grad(0, {"index": [0]}), grad(1, {"index": [0]})], 2)
+    with pytest.raises(MyelinError, match=r"losses of microbatches \[\] of 2; the next stage"):
+        loop.run_step(0, [(torch.randn(2, 4),), (torch.randn(2, 4),)], None)
+
+
+def test_the_first_stage_returns_the_losses_the_last_gradient_carried():
+    inbox = [grad(1, {"index": [0]}), grad(0, {"index": [0], "losses": [0.25, 0.75]})]
+    loop = first_stage_loop(inbox, 2)
+    assert loop.run_step(0, [(torch.randn(2, 4),), (torch.randn(2, 4),)], None) == 0.5
