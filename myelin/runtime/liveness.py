@@ -239,7 +239,10 @@ class Liveness:
         self._stop.set()
         self._thread.join(timeout=2 * self.heartbeat_s + 1)
         if not self._thread.is_alive():
-            self._take()  # goodbyes that came since the thread last looked
+            try:
+                self._take()  # goodbyes that came since the thread last looked
+            except zmq.ZMQError:
+                pass  # the context is gone (the thread died of it): nothing more can come
         failed = self.failed
         doing = "closed its trainer"
         if failed is None and self._exiting:  # the script itself ended with an error
