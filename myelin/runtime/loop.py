@@ -38,6 +38,7 @@ from myelin.runtime.messages import Message
 from myelin.runtime.outbox import Outbox
 from myelin.runtime.schedule import Action, ForwardOnly, Policy, Ready
 from myelin.runtime.stage import InputMismatch, Stage, as_tuple
+from myelin.runtime.step_losses import as_floats, mean_loss
 from myelin.runtime.tied import MicrobatchTies, Tied
 from myelin.runtime.waits import describe_wait, misfit
 
@@ -267,28 +268,12 @@ class EventLoop:
         return self._rows[mb] / sum(self._rows.values())
 
     def _floats(self, losses: dict[int, Any]) -> dict[int, float]:
-        """Every microbatch's loss of the step as a float: the last stage's own tensors read
-        in one transfer (one wait for the device, not one a microbatch); the other stages'
-        came with the step's last gradient."""
-        m = self.config.microbatches
-        if sorted(losses) != list(range(m)):
-            raise MyelinError(
-                f"rank {self.world.rank} (stage {self.stage.index}): step {self._step} has the "
-                f"losses of microbatches {sorted(losses)} of {m}; the next stage sends them "
-                f"all with the step's last gradient"
-            )
-        own = [i for i, v in losses.items() if isinstance(v, torch.Tensor)]
-        read = torch.stack([losses[i].double().reshape(()) for i in own]).tolist() if own else []
-        return {i: float(v) for i, v in {**losses, **dict(zip(own, read))}.items()}
+        where = f"rank {self.world.rank} (stage {self.stage.index}): step {self._step}"
+        return as_floats(losses, self.config.microbatches, where)
 
     def _mean(self, losses: dict[int, Any], rows: dict[int, int]) -> float:
-        """The step's loss: the mean, by rows if uneven; a StepLoss's shares: their sum."""
-        m = self.config.microbatches
-        losses = self._floats(losses)
-        if self.stage.shares:
-            return self.stage.step_loss([losses[i] for i in range(m)])
-        rows = rows or dict.fromkeys(range(m), 1)  # x * 1 and the count are exact
-        return sum(losses[i] * rows[i] for i in range(m)) / sum(rows[i] for i in range(m))
+        step_loss = self.stage.step_loss if self.stage.shares else None
+        return mean_loss(self._floats(losses), rows, self.config.microbatches, step_loss)
 
     # -- operations ----------------------------------------------------------
 
