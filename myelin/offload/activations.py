@@ -189,7 +189,7 @@ class ActivationStore:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in persistent and ptr not in kept and t.device.type == kind:
-                self._keep(entry, t, ptr, storage.nbytes(), doing)
+                return self._keep(entry, t, ptr, storage.nbytes(), doing)
             return t.detach()  # (as in _keep)
 
         self._saving = entry
