@@ -132,6 +132,7 @@ def fit(
         raise ConfigError(f"fit: uneven={uneven!r} must be one of {', '.join(_UNEVEN)}")
     own = getattr(getattr(trainer, "replicas", None), "fit", None)
     if own is not None:  # a strategy whose workers take the batches (Hogbatch) runs the loop
+        trainer._freeze()  # its loop is the trainer's long run; no step() counts to AFTER_STEPS
         return own(trainer, loader, hooks=[as_callback(c) for c in callbacks], steps=steps,
                    epochs=epochs, max_seconds=max_seconds, lr_schedule=lr_schedule,
                    eval_loader=eval_loader, eval_every=eval_every, eval_batches=eval_batches,

@@ -366,9 +366,14 @@ class Trainer:
         self.steps_done += 1
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         self._steps_here += 1
-        if self._steps_here == collector.AFTER_STEPS:  # what lives now lives as long as it
-            self._froze = collector.freeze()
+        if self._steps_here == collector.AFTER_STEPS:
+            self._freeze()
         return loss
+
+    def _freeze(self) -> None:
+        """What lives now lives as long as the trainer: keep it out of the collector's scans."""
+        if not self._froze:
+            self._froze = collector.freeze()
 
     def eval_step(self, inputs: Any = None, targets: Any = None) -> float:
         """The mean loss of a batch without training on it (forward only, no gradients).

@@ -8,6 +8,7 @@ The config errors need no worker; the two runs spawn one and three worker proces
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -69,11 +70,12 @@ def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
     model, data, best = problem(n=1024)
     hog = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(32, 256), budget=0.5,
                           timeout_s=100)  # fmt: skip
-    logged = []
+    logged, frozen = [], []
     with myelin.Trainer(model, functools.partial(torch.optim.SGD, lr=0.05), torch.nn.MSELoss(),
                         sync=hog) as trainer:  # fmt: skip
         rows = trainer.fit(torch.utils.data.TensorDataset(*data), epochs=12, eval_loader=data,
-                           callbacks=[lambda t, row: logged.append(row)],
+                           callbacks=[lambda t, row: logged.append(row)
+                                      or frozen.append(gc.get_freeze_count())],
                            checkpoint_dir=tmp_path, checkpoint_every=4)  # fmt: skip
         final = trainer.state_dict()
         got = flat(final).double()
@@ -86,6 +88,8 @@ def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
         assert again.steps_done == steps and torch.equal(flat(again.state_dict()), flat(final))
         assert again.replicas.state_dict()["epoch"] == 12
     assert sorted(r["epoch"] for r in rows) == list(range(12)) and logged == rows  # as completed
+    # the runner's loop is the trainer's long run: out of the collector's scans until close
+    assert len(frozen) == 12 and all(frozen) and gc.get_freeze_count() == 0
     assert all("val_loss" in r for r in rows) and rows[-1]["val_loss"] < rows[0]["val_loss"]
     assert (got - best).norm() / best.norm() < 0.01
     workers = stats["workers"]
