@@ -231,8 +231,8 @@ def test_the_time_budgets_agreement_is_recorded_as_step_end_sync():
 
 def test_a_trainer_keeps_what_it_built_out_of_the_garbage_collectors_scans():
     """Full collections over torch's objects stalled steps by tens of ms (issue 11.4): the
-    trainer freezes what lives once it has run AFTER_STEPS steps (a shorter run never pays
-    the full collection that starts a freeze), and close() gives it back."""
+    trainer freezes what lives once it has run AFTER_STEPS steps (one that never steps never
+    pays the full collection that starts a freeze), and close() gives it back."""
     import gc
 
     from myelin import collector
