@@ -24,6 +24,7 @@ from torch import nn
 
 from myelin import checkpoint, collector, compiled, hf, pretrained, teardown
 from myelin import fit as fit_loop
+from myelin.collector import AFTER_STEPS
 from myelin.config import (
     PipelineConfig,
     check_callables,
@@ -179,6 +180,7 @@ class Trainer:
         self.sampler: Sampler | None = None
         self._closed = False
         self._froze, self._steps_here = False, 0  # collector.freeze, after AFTER_STEPS steps
+        self._freeze_at = max(1, self._profile.warmup_steps) if self._profile else AFTER_STEPS
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
         chosen, any_cuda = stage_device(cfg, device, layout)
@@ -366,7 +368,7 @@ class Trainer:
         self.steps_done += 1
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         self._steps_here += 1
-        if self._steps_here == collector.AFTER_STEPS:
+        if self._steps_here == self._freeze_at:
             self._freeze()
         return loss
 

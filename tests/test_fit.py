@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from myelin import Callback, ConfigError, Trainer
+from myelin import Callback, ConfigError, ProfileConfig, Trainer
 
 SGD = functools.partial(torch.optim.SGD, lr=0.5)
 
@@ -245,6 +245,21 @@ def test_a_trainer_keeps_what_it_built_out_of_the_garbage_collectors_scans():
         t.step(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
         assert gc.get_freeze_count() > 0
         t.step(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_profiled_trainer_freezes_at_the_end_of_the_profilers_warm_up():
+    """The steady state a profile measures has no full collection in it (they skewed the op
+    times a profile replays): the freeze comes after the warm-up, not after AFTER_STEPS."""
+    import gc
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with Trainer(net, SGD, F.cross_entropy, profile=ProfileConfig(warmup_steps=2)) as t:
+        t.step(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+        assert gc.get_freeze_count() == 0
+        t.step(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+        assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
 
 
