@@ -179,7 +179,7 @@ class Trainer:
         self._report: ProfileReport | None = None
         self.sampler: Sampler | None = None
         self._closed = False
-        self._froze, self._steps_here = False, 0  # collector.freeze, after AFTER_STEPS steps
+        self._froze, self._steps_here = False, 0  # collector.freeze, after _freeze_at steps
         self._freeze_at = max(1, self._profile.warmup_steps) if self._profile else AFTER_STEPS
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
