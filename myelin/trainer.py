@@ -24,7 +24,6 @@ from torch import nn
 
 from myelin import checkpoint, collector, compiled, hf, pretrained, teardown
 from myelin import fit as fit_loop
-from myelin.collector import AFTER_STEPS
 from myelin.config import (
     PipelineConfig,
     check_callables,
@@ -180,7 +179,8 @@ class Trainer:
         self.sampler: Sampler | None = None
         self._closed = False
         self._froze, self._steps_here = False, 0  # collector.freeze, after _freeze_at steps
-        self._freeze_at = max(1, self._profile.warmup_steps) if self._profile else AFTER_STEPS
+        profiled = self._profile is not None  # frozen before the steady state it measures
+        self._freeze_at = max(1, self._profile.warmup_steps) if profiled else collector.AFTER_STEPS
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
         chosen, any_cuda = stage_device(cfg, device, layout)
