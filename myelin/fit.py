@@ -132,11 +132,13 @@ def fit(
         raise ConfigError(f"fit: uneven={uneven!r} must be one of {', '.join(_UNEVEN)}")
     own = getattr(getattr(trainer, "replicas", None), "fit", None)
     if own is not None:  # a strategy whose workers take the batches (Hogbatch) runs the loop
+        trainer._check_usable()
         trainer._freeze()  # its loop is the trainer's long run; no step() counts to AFTER_STEPS
         return own(trainer, loader, hooks=[as_callback(c) for c in callbacks], steps=steps,
                    epochs=epochs, max_seconds=max_seconds, lr_schedule=lr_schedule,
                    eval_loader=eval_loader, eval_every=eval_every, eval_batches=eval_batches,
-                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)  # fmt: skip
+                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                   eval_first=eval_first)  # fmt: skip
     _check_last_batch(loader, trainer.config.microbatches, "fit")
     if eval_loader is not None:
         _check_last_batch(eval_loader, trainer.config.microbatches, "fit: eval_loader")

@@ -17,13 +17,19 @@ hogbatch_run.py; in a Trainer (`sync=Hogbatch(...)`) it runs as hogbatch_strateg
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from myelin.errors import ConfigError
-from myelin.replicas.hogbatch_strategy import HogbatchStrategy, check_model, check_optimizer
+from myelin.replicas.hogbatch_strategy import (
+    HogbatchStrategy,
+    check_model,
+    check_optimizer,
+    dataset_of,
+)
 
 __all__ = ["Hogbatch", "LOSS_POLICIES", "check_optimizer"]
 
@@ -76,6 +82,13 @@ class Hogbatch:
             low = 0 if field in ("cpu_workers", "seed") else 1
             if type(v) is not int or v < low:
                 raise ConfigError(f"Hogbatch({field}={v!r}): must be an int >= {low}")
+        for field in ("adaptive", "lock"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(
+                    f"Hogbatch({field}={getattr(self, field)!r}): must be True or False"
+                )
+        if self.record is not None and not isinstance(self.record, str | os.PathLike):
+            raise ConfigError(f"Hogbatch(record={self.record!r}): must be None or a directory")
         lo_hi = self.device_batch
         if (
             not isinstance(lo_hi, tuple)
@@ -163,8 +176,9 @@ class Hogbatch:
         check_model(model)
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
-        if len(data) != 2 or data[0].shape[0] != data[1].shape[0] or data[0].shape[0] < 1:
-            raise ConfigError("Hogbatch.fit(data=...): must be (inputs, targets) of equal length")
+        data = dataset_of(data, "Hogbatch.fit(data=...)")
+        if eval_data is not None:
+            eval_data = dataset_of(eval_data, "Hogbatch.fit(eval_data=...)")
         if eval_every_s is not None and (not _number(eval_every_s) or eval_every_s <= 0):
             raise ConfigError(
                 f"Hogbatch.fit(eval_every_s={eval_every_s!r}): must be None or a number > 0"

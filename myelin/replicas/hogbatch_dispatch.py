@@ -6,12 +6,16 @@ then from the cursor. When the cursor reaches the end the next epoch begins at o
 worker waits for the epoch's stragglers), but never two epochs ahead of an unfinished one.
 An epoch is complete when every one of its ranges is done. Pure: no processes, no clock;
 the runner (hogbatch_run.py) and the simulated clock (hogbatch_sim.py) drive it alike.
+
+`progress` says exactly which samples are in the weights (a checkpoint's): the frontier
+(epoch, cursor) and the ranges before it not done; a Dispatcher built from it hands out
+only those and what lies past the frontier, so a resumed run trains no sample twice.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,7 +33,14 @@ class Range(NamedTuple):
 class Dispatcher:
     """Hands out ranges of each epoch's permutation; takes them back from lost workers."""
 
-    def __init__(self, samples: int, epochs: int, seed: int = 0, first_epoch: int = 0) -> None:
+    def __init__(
+        self,
+        samples: int,
+        epochs: int,
+        seed: int = 0,
+        first_epoch: int = 0,
+        progress: dict[str, Any] | None = None,
+    ) -> None:
         if samples < 1 or epochs < 1:
             raise ValueError(f"need samples >= 1 and epochs >= 1 (got {samples}, {epochs})")
         self.samples, self.epochs, self.seed = samples, first_epoch + epochs, seed
@@ -38,6 +49,45 @@ class Dispatcher:
         self.outstanding: dict[int, list[Range]] = {}  # worker -> ranges it is working on
         self.left = {first_epoch: samples}  # epoch -> samples not yet done
         self.completed: list[int] = []  # epochs in the order they completed
+        self.beyond: dict[str, Any] | None = None  # progress past this run's last epoch
+        if progress is not None:
+            self._restore(progress)
+
+    def _restore(self, progress: dict[str, Any]) -> None:
+        """Start from a checkpoint's `progress`; what lies past this run's epochs (the
+        next epoch begun before the checkpoint) is kept for `progress` to hand on."""
+        epoch, cursor = int(progress["epoch"]), int(progress["cursor"])
+        todo = [Range(*map(int, r)) for r in progress["todo"]]
+        if epoch >= self.epochs:  # this run ends before the frontier's epoch
+            self.beyond = {
+                "epoch": epoch,
+                "cursor": cursor,
+                "todo": [list(r) for r in todo if r.epoch >= self.epochs],
+            }
+            todo = [r for r in todo if r.epoch < self.epochs]
+            epoch, cursor = self.epochs - 1, self.samples
+        self.epoch, self.cursor = epoch, cursor
+        self.pending = deque(sorted(todo))
+        self.left = {}
+        for r in todo:
+            self.left[r.epoch] = self.left.get(r.epoch, 0) + r.count
+        if cursor < self.samples:
+            self.left[epoch] = self.left.get(epoch, 0) + self.samples - cursor
+
+    def progress(self, landed: dict[int, int] | None = None) -> dict[str, Any]:
+        """Which samples are done, as plain data: the frontier (`epoch`, `cursor`: every
+        range past it is to do) and `todo`, the ranges before it not done: handed back,
+        handed out and not done, except each worker's first `landed[w]` outstanding ones
+        (their updates are in the weights; a worker trains its ranges in order)."""
+        landed = landed or {}
+        todo = list(self.pending)
+        for w, ranges in self.outstanding.items():
+            todo += ranges[landed.get(w, 0) :]
+        if self.beyond is None:
+            return {"epoch": self.epoch, "cursor": self.cursor, "todo": [list(r) for r in todo]}
+        if self.cursor < self.samples:  # this run stopped short of its last epoch's end
+            todo.append(Range(self.epoch, self.cursor, self.samples - self.cursor))
+        return {**self.beyond, "todo": [list(r) for r in todo] + self.beyond["todo"]}
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """Epoch `epoch`'s order of the samples (the same for every caller)."""

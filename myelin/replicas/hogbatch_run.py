@@ -81,11 +81,12 @@ class Run:
                                         timeout_s=cfg.timeout_s)  # fmt: skip
         self.ctl = Controller(lo=cfg.device_batch[0], hi=cfg.device_batch[1], ratio=cfg.ratio,
                               budget=cfg.budget, adaptive=cfg.adaptive)  # fmt: skip
-        self.first_epoch = 0
+        self.first_epoch, progress = 0, None
         if resume is not None:
             self.store.weights.copy_(resume["weights"])
             self.ctl.load_state_dict(resume["controller"])
             self.first_epoch = int(resume["epoch"])
+            progress = resume.get("progress")  # absent: an older checkpoint, whole epochs
         self.data = tuple(t.detach().cpu().contiguous().share_memory_() for t in data)
         host_model = copy.deepcopy(model).cpu()
         self.job = {"model": host_model, "loss_fn": loss_fn, "lr": lr,
@@ -94,7 +95,7 @@ class Run:
                     "timeout_s": cfg.timeout_s, "record": cfg.record,
                     "max_staleness": cfg.max_staleness, "cpu_lr_scale": cfg.cpu_lr_scale,
                     "emulate": cfg.emulate or (None, None)}  # fmt: skip
-        disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch)
+        disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch, progress)
         self.runner = _Run(cfg, self.ctl, self.store, disp, eval_every_s)
         eval_model = copy.deepcopy(host_model).eval()  # not the workers'; no dropout in eval
         self.evaluator = _Evaluator(eval_model, loss_fn, eval_data or self.data,
@@ -110,26 +111,27 @@ class Run:
         finally:
             self.runner.kill()
             self.evaluator.close()
-        self.store.load_into(self.params)
         report = self.runner.report()
         report["evals"] = self.evaluator.results()
         report["evals_timed"] = self.evaluator.timed_results()
         report["state"] = self.state()
+        load_flat(self.params, report["state"]["weights"])
         return report
 
     def state(self) -> dict[str, Any]:
-        """What `resume=` continues from: the weights, the rule's state, the next epoch
-        (the one after the last completed: its updates already made stay in the weights)."""
-        return {"weights": self.store.snapshot(), "controller": self.ctl.state_dict(),
-                "epoch": self.next_epoch()}  # fmt: skip
+        """What `resume=` continues from, taken at one instant (under the lock, if any): the
+        weights, the rule's state, the first epoch not complete, which samples the weights
+        hold (`progress`: a resumed run trains each other one once) and `updates`, how
+        many updates they hold. Safe while the workers run, and after they died."""
+        weights, counters = self.runner.snapshot(counted=True)
+        landed = {w: int(counters[w]) - s["updates"] for w, s in enumerate(self.runner.stats)}
+        return {"weights": weights, "controller": self.ctl.state_dict(),
+                "epoch": self.next_epoch(), "progress": self.runner.disp.progress(landed),
+                "updates": int(counters.sum())}  # fmt: skip
 
     def next_epoch(self) -> int:
         """The first epoch not completed (`Dispatcher.first_unfinished`)."""
         return self.runner.disp.first_unfinished(self.first_epoch)
-
-    def updates(self) -> int:
-        """Updates every worker has added so far."""
-        return sum(s["updates"] for s in self.runner.stats)
 
 
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -154,6 +156,10 @@ class _Evaluator:
     def submit_timed(self, epochs: float, wall_s: float, weights: torch.Tensor) -> None:
         """The same for a copy taken on the clock, `epochs` epochs' worth of samples in."""
         self.timed.append((epochs, wall_s, self.pool.submit(self._loss, weights)))
+
+    def now(self, weights: torch.Tensor) -> float:
+        """The loss of `weights` (a private copy), waited for: fit's eval_first."""
+        return self.pool.submit(self._loss, weights).result()
 
     def _loss(self, weights: torch.Tensor) -> float:
         load_flat(self.params, weights)
@@ -255,7 +261,7 @@ class _Run:
             ready = wait(watch, timeout=max(timeout, 0))
             if next_eval is not None and time.perf_counter() - self.t0 >= next_eval:
                 wall = time.perf_counter() - self.t0
-                evaluator.submit_timed(self._seen(), wall, self._snapshot())
+                evaluator.submit_timed(self._seen(), wall, self.snapshot())
                 next_eval = (math.floor(wall / self.eval_every_s) + 1) * self.eval_every_s
             if not ready:
                 if time.monotonic() - heard < self.cfg.timeout_s:
@@ -308,15 +314,16 @@ class _Run:
     def _finish(self, w: int, r: Range, evaluator: _Evaluator) -> None:
         if self.disp.done(w, r):
             wall = time.perf_counter() - self.t0
-            evaluator.submit(r.epoch, wall, self._snapshot(), self._seen())
+            evaluator.submit(r.epoch, wall, self.snapshot(), self._seen())
 
-    def _snapshot(self) -> torch.Tensor:
-        """The shared weights. A worker that died holding the lock is found meanwhile and
-        the lock freed; past `timeout_s` a DeadlineError names the holder."""
+    def snapshot(self, counted: bool = False) -> Any:
+        """The shared weights (with `counted`: and the update counters read with them). A
+        worker that died holding the lock is found meanwhile and the lock freed; past
+        `timeout_s` a DeadlineError names the holder."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:
             try:
-                return self.store.snapshot(timeout_s=0.2)
+                return self.store.snapshot(timeout_s=0.2, counted=counted)
             except DeadlineError:
                 for w in sorted(self.alive):
                     if not self.procs[w].is_alive():

@@ -101,10 +101,15 @@ class SharedModel:
             self.counters[worker] += 1
         return version
 
-    def snapshot(self, timeout_s: float | None = None) -> torch.Tensor:
-        """A private copy of the weights (for evaluation off the training path, checkpoints)."""
+    def snapshot(self, timeout_s: float | None = None, counted: bool = False) -> Any:
+        """A private copy of the weights (for evaluation off the training path, checkpoints);
+        with `counted`, (weights, the update counters) read together (exactly so under the
+        lock; without it an update may be landing meanwhile)."""
         with self._held(timeout_s):
-            return self.weights.clone()
+            if not counted:
+                return self.weights.clone()
+            counters = self.counters.clone()
+            return self.weights.clone(), counters
 
     def load_into(self, params: list[torch.Tensor], flat: torch.Tensor | None = None) -> None:
         """Write `flat` (default: the shared weights) into `params`, e.g. the user's model."""
@@ -128,6 +133,7 @@ def flat_grads(params: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
             out[offset : offset + n].zero_()
         else:
-            out[offset : offset + n].copy_(p.grad.reshape(-1))
+            g = p.grad.to_dense() if p.grad.is_sparse else p.grad  # an Embedding(sparse=True)
+            out[offset : offset + n].copy_(g.reshape(-1))
         offset += n
     return out

@@ -12,6 +12,7 @@ not the script, take the batches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -47,6 +48,7 @@ class HogbatchStrategy(Strategy):
             check_optimizer(ctx.optimizer, ctx.params)  # before any work: not a wrong run
         self.controller: dict[str, Any] | None = None  # the rule's state, once a run began
         self.next_epoch = 0
+        self.progress: dict[str, Any] | None = None  # which samples the weights hold
         self.report: dict[str, Any] | None = None  # the last fit's (Hogbatch.fit's report)
         self.device_batch = cfg.device_batch[1]  # the batch the rule hands the device next
 
@@ -65,11 +67,13 @@ class HogbatchStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         if self.controller is None:
             return {}
-        return {"controller": self.controller, "epoch": self.next_epoch}
+        return {"controller": self.controller, "epoch": self.next_epoch,
+                "progress": self.progress}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self.controller, self.next_epoch = state["controller"], int(state["epoch"])
+            self.progress = state.get("progress")  # absent in older checkpoints
             self.device_batch = int(self.controller["batch"])
 
     def stats(self) -> dict[str, Any]:
@@ -105,16 +109,20 @@ class HogbatchStrategy(Strategy):
         resume = None
         if self.controller is not None:
             weights = torch.cat([p.detach().reshape(-1).cpu().float() for p in self.params])
-            resume = {"weights": weights, "controller": self.controller, "epoch": self.next_epoch}
+            resume = {"weights": weights, "controller": self.controller,
+                      "epoch": self.next_epoch, "progress": self.progress}  # fmt: skip
         live = Run(self.cfg, worker_copy(trainer.module), trainer.loop.stage.loss_fn, (x, y),
                    lr=lr, weight_decay=wd, epochs=epochs, eval_data=eval_data,
                    resume=resume)  # fmt: skip
         first, history = trainer.steps_done, []
+        at_rows: list[int] = []  # the epochs logged so far
         key = "val_loss" if eval_data is not None else "loss"
         at: dict[int, tuple[int, int]] = {}  # epoch -> (step, device batch) as it completed
         saved: list[int] = []  # steps_done at each checkpoint taken during the run
 
-        def log(results: list[dict[str, float]]) -> None:
+        def log() -> None:  # the epochs whose evaluation is over, in order
+            results = live.evaluator.finished(len(at_rows))
+            at_rows.extend(r["epoch"] for r in results)
             for r in results:
                 step, batch = at.get(r["epoch"], (trainer.steps_done, self.device_batch))
                 history.append({"step": step, "epoch": r["epoch"], "wall_s": r["wall_s"],
@@ -123,22 +131,35 @@ class HogbatchStrategy(Strategy):
                     hook.on_log(trainer, history[-1])
 
         def on_epoch(epoch: int, wall_s: float) -> bool:
-            self._take(live, trainer, first)
+            # the trainer's model, steps and progress: one instant of the run (workers go
+            # on meanwhile), so callbacks, evaluate and a checkpoint here agree
+            self._take(live.state(), trainer, first)
             at[epoch] = (trainer.steps_done, self.device_batch)
-            log(live.evaluator.finished(len(history)))
+            log()
             if path is not None and every is not None and (epoch + 1) % every == 0:
-                load_flat(self.params, live.store.snapshot())  # workers go on meanwhile
                 _save(trainer, path, hooks)
                 saved.append(trainer.steps_done)
             return max_seconds is not None and wall_s >= max_seconds
 
         for hook in hooks:
             hook.on_fit_start(trainer, first, None)
+        if args.get("eval_first"):
+            weights = torch.cat([p.detach().reshape(-1).cpu().float() for p in self.params])
+            loss = live.evaluator.now(weights)
+            history.append({"step": first, key: loss})
+            for hook in hooks:
+                hook.on_log(trainer, history[-1])
         try:
-            self.report = live.train(on_epoch)
-            self._take(live, trainer, first)
-            load_flat(self.params, self.report["state"]["weights"])
-            log(live.evaluator.finished(len(history)))
+            try:
+                self.report = live.train(on_epoch)
+            except BaseException:
+                # what the workers did before the failure stays the trainer's, consistently
+                # (weights, steps, progress): a retried fit or a save continues from there
+                with contextlib.suppress(Exception):
+                    self._take(live.state(), trainer, first)
+                raise
+            self._take(self.report["state"], trainer, first)
+            log()
             if history:
                 history[-1]["hogbatch"] = self.stats()  # the run's summary on its last row
             self._profile(live)
@@ -165,11 +186,14 @@ class HogbatchStrategy(Strategy):
             detail["ratio"] = None  # no CPU updates (JSON has no infinity)
         tl.detail["hogbatch"] = detail
 
-    def _take(self, live: Run, trainer: Any, first: int) -> None:
-        """The run's progress becomes the trainer's: the rule, the next epoch, the steps."""
-        self.controller, self.next_epoch = live.ctl.state_dict(), live.next_epoch()
-        self.device_batch = live.ctl.batch
-        trainer.steps_done = first + live.updates()
+    def _take(self, state: dict[str, Any], trainer: Any, first: int) -> None:
+        """A run's state (Run.state) becomes the trainer's: the weights, the rule, the next
+        epoch, which samples are done, the steps (updates in those weights)."""
+        load_flat(self.params, state["weights"])
+        self.controller, self.next_epoch = state["controller"], state["epoch"]
+        self.progress = state["progress"]
+        self.device_batch = int(state["controller"]["batch"])
+        trainer.steps_done = first + state["updates"]
 
 
 def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:

@@ -106,5 +106,5 @@ def test_the_runner_frees_the_lock_of_a_worker_found_dead_while_it_waits_for_it(
     run = _run_with_one_cpu_worker()
     assert run.store.lock.acquire(timeout=1)
     run.store.owner[0] = 1  # worker 1 took it, then died (its process is gone)
-    assert torch.equal(run._snapshot(), torch.zeros(3))
+    assert torch.equal(run.snapshot(), torch.zeros(3))
     assert int(run.store.owner[0]) == -1 and run.store.lock.acquire(timeout=1)

@@ -117,11 +117,33 @@ def test_the_epoch_loss_is_evaluated_in_eval_mode():
         ({"max_staleness": 0}, "max_staleness"),
         ({"emulate": (1.0, 2.0)}, "emulate"),
         ({"device": "tpu"}, "device"),
+        ({"lock": "no"}, "lock"),
+        ({"adaptive": 1}, "adaptive"),
+        ({"record": 5}, "record"),
     ],
 )
 def test_bad_settings_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=rf"Hogbatch\({field}="):
         myelin.Hogbatch(**kw)
+
+
+def test_fit_takes_a_tensor_dataset_and_checks_eval_data_before_any_worker_starts():
+    model, (x, y), _ = problem(n=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(32, 32), adaptive=False)
+    bad = [
+        ({"data": torch.utils.data.TensorDataset(x)}, r"Hogbatch.fit\(data=...\)"),
+        ({"data": (x, y[:10])}, r"Hogbatch.fit\(data=...\)"),
+        ({"eval_data": torch.utils.data.TensorDataset(x)}, r"Hogbatch.fit\(eval_data=...\)"),
+        ({"eval_data": (x, y[:3])}, r"Hogbatch.fit\(eval_data=...\)"),
+    ]
+    for kw, words in bad:
+        args = {"data": (x, y), **kw}
+        with pytest.raises(ConfigError, match=words):
+            hog.fit(model, opt, torch.nn.MSELoss(), args.pop("data"), **args)
+    rep = hog.fit(model, opt, torch.nn.MSELoss(), torch.utils.data.TensorDataset(x, y),
+                  eval_data=torch.utils.data.TensorDataset(x[:8], y[:8]))  # fmt: skip
+    assert rep["workers"][0]["samples"] == 64 and len(rep["evals"]) == 1
 
 
 def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_resume_continues(tmp_path):

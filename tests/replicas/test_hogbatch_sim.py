@@ -108,3 +108,33 @@ def test_a_lost_cpu_worker_stops_counting_in_the_cpu_rate():
     late = res["order"][-len(res["order"]) // 3 :]
     assert late.count(0) / late.count(1) == pytest.approx(1.0, rel=0.15)
     assert res["trace"][-1] == pytest.approx(100, rel=0.15)
+
+
+def test_progress_names_the_samples_in_the_weights_and_a_resume_trains_the_rest_once():
+    """A worker trains its ranges in order; the first `landed` of them are in the weights
+    though their `done` has not come. A run of fewer epochs than the frontier's keeps the
+    later epoch's progress for the next one."""
+    d = Dispatcher(10, epochs=3, seed=0)
+    a, b, c = d.take(0, 4), d.take(1, 4), d.take(0, 4)
+    nxt = d.take(0, 4)
+    assert (a, b, c, nxt) == (Range(0, 0, 4), Range(0, 4, 4), Range(0, 8, 2), Range(1, 0, 4))
+    d.done(1, b)
+    assert d.progress({0: 2}) == {"epoch": 1, "cursor": 4, "todo": [[1, 0, 4]]}
+    state = d.progress({0: 1})  # epoch 0 not complete: c is still to do
+    assert state == {"epoch": 1, "cursor": 4, "todo": [[0, 8, 2], [1, 0, 4]]}
+
+    def drain(disp):
+        seen = []
+        while (r := disp.take(0, 3)) is not None:
+            disp.done(0, r)
+            seen.append(r)
+        return seen
+
+    one = Dispatcher(10, 1, 0, first_epoch=0, progress=state)  # epoch 0 only
+    assert drain(one) == [Range(0, 8, 2)] and one.all_done()
+    assert one.first_unfinished(0) == 1
+    later = one.progress()
+    assert later == {"epoch": 1, "cursor": 4, "todo": [[1, 0, 4]]}
+    two = Dispatcher(10, 1, 0, first_epoch=1, progress=later)
+    assert drain(two) == [Range(1, 0, 3), Range(1, 3, 1), Range(1, 4, 3), Range(1, 7, 3)]
+    assert two.all_done() and two.completed == [1]

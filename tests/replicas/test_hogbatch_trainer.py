@@ -7,8 +7,10 @@ The config errors need no worker; the two runs spawn one and three worker proces
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
+import shutil
 
 import pytest
 import torch
@@ -142,3 +144,120 @@ def test_step_steps_and_loaders_are_refused_before_any_worker_starts():
         with pytest.raises(ConfigError, match="not a DataLoader"):
             trainer.fit(loader)
         assert trainer.steps_done == 0
+
+
+def _sgd_epochs(model, data, epochs, batch, seed):
+    """`model` after `epochs` of SGD over each epoch's permutation in ranges of `batch`."""
+    sgd = SGD(model.parameters())
+    perms = Dispatcher(len(data[0]), epochs, seed)
+    for epoch in range(epochs):
+        order = perms.permutation(epoch)
+        for start in range(0, len(order), batch):
+            idx = order[start : start + batch]
+            sgd.zero_grad()
+            torch.nn.MSELoss()(model(data[0][idx]), data[1][idx]).backward()
+            sgd.step()
+    return flat(model.state_dict())
+
+
+def _fresh(model):
+    out = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    out.load_state_dict(model.state_dict())
+    return out
+
+
+class _Keep(myelin.Callback):
+    """Copies the first checkpoint, and checks what callbacks see at each epoch's row."""
+
+    def __init__(self, dst, w0):
+        self.dst, self.w0, self.rows = dst, w0, []
+
+    def on_log(self, trainer, metrics):
+        # the trainer's model has moved with its steps (not the weights before fit)
+        self.rows.append((trainer.steps_done, torch.equal(flat(trainer.state_dict()), self.w0)))
+
+    def on_checkpoint(self, trainer, path, step):
+        if not self.dst.exists():
+            shutil.copytree(path, self.dst)
+            self.first = step
+
+
+def test_a_checkpoint_taken_during_fit_resumes_exactly(tmp_path):
+    """The workers run ahead into the next epoch while an epoch's checkpoint is taken: its
+    weights, steps and the samples they hold are one instant, and a resume trains each
+    other sample once (lock, one worker: the uninterrupted run and SGD, bit for bit)."""
+    model, data, _ = problem(n=70)
+    w0, ref = flat(model.state_dict()), _fresh(model)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(8, 8), adaptive=False, lock=True,
+                          timeout_s=100, emulate=((0.002, 0.0), (0.0, 0.0)))  # fmt: skip
+    keep = _Keep(tmp_path / "first", w0)
+    with myelin.Trainer(_fresh(model), SGD, torch.nn.MSELoss(), sync=hog) as t:
+        t.fit(data, epochs=3, checkpoint_dir=tmp_path / "ck", checkpoint_every=1,
+              callbacks=[keep])  # fmt: skip
+        whole = flat(t.state_dict())
+        assert t.steps_done == 27  # 3 x 9 ranges (8 x 8 + 6)
+    assert [w0_seen for _, w0_seen in keep.rows] == [False, False, False]
+    assert keep.first >= 9  # epoch 0's 9 updates, and any of epoch 1's landed by then
+    assert torch.equal(whole, _sgd_epochs(ref, data, 3, 8, hog.seed))
+    with myelin.Trainer(_fresh(model), SGD, torch.nn.MSELoss(), sync=hog,
+                        resume=tmp_path / "first") as t2:  # fmt: skip
+        assert t2.steps_done == keep.first
+        t2.fit(data, epochs=2)
+        assert torch.equal(flat(t2.state_dict()), whole) and t2.steps_done == 27
+
+
+class _Fail(myelin.Callback):
+    def on_log(self, trainer, metrics):
+        raise RuntimeError("a callback failed")
+
+
+def test_a_fit_that_fails_keeps_what_was_trained_and_a_retry_continues(tmp_path):
+    """After a failure in the middle of fit, the trainer holds the workers' weights with the
+    steps and samples they hold; fit again trains the rest, each sample once."""
+    model, data, _ = problem(n=70)
+    w0, ref = flat(model.state_dict()), _fresh(model)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(8, 8), adaptive=False, lock=True,
+                          timeout_s=100, emulate=((0.002, 0.0), (0.0, 0.0)))  # fmt: skip
+    with myelin.Trainer(_fresh(model), SGD, torch.nn.MSELoss(), sync=hog) as t:
+        with pytest.raises(RuntimeError, match="a callback failed"):
+            t.fit(data, epochs=3, callbacks=[_Fail()])
+        assert t.steps_done >= 9 and not torch.equal(flat(t.state_dict()), w0)
+        assert t.replicas.state_dict()["epoch"] == 1
+        t.fit(data, epochs=2)
+        assert t.steps_done == 27
+        assert torch.equal(flat(t.state_dict()), _sgd_epochs(ref, data, 3, 8, hog.seed))
+    with pytest.raises(myelin.MyelinError, match="closed"):
+        t.fit(data, epochs=1)  # closed: nothing starts
+
+
+def test_eval_first_gives_the_loss_before_training():
+    model, data, _ = problem(n=64)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(32, 32), adaptive=False, timeout_s=100)
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog) as t:
+        before = t.evaluate([data])
+        rows = t.fit(data, epochs=1, eval_first=True)
+    assert rows[0] == {"step": 0, "loss": pytest.approx(before, rel=1e-6)}
+    assert rows[1]["epoch"] == 0 and rows[1]["loss"] < before
+
+
+def test_a_sparse_embedding_trains_as_sgd_does():
+    """torch.optim.SGD takes an Embedding(sparse=True)'s gradients; so do the workers."""
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 50, (64, 3)), torch.randn(64)
+    net = torch.nn.Sequential(torch.nn.Embedding(50, 4, sparse=True), torch.nn.Flatten(1),
+                              torch.nn.Linear(12, 1), torch.nn.Flatten(0))  # fmt: skip
+    ref = copy.deepcopy(net)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(16, 16), adaptive=False, lock=True,
+                          timeout_s=100)  # fmt: skip
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    with myelin.Trainer(net, opt, torch.nn.MSELoss(), sync=hog) as t:
+        t.fit((x, y), epochs=1)
+        got = flat(t.state_dict())
+    sgd = opt(ref.parameters())
+    order = Dispatcher(64, 1, hog.seed).permutation(0)
+    for start in range(0, 64, 16):
+        idx = order[start : start + 16]
+        sgd.zero_grad()
+        torch.nn.MSELoss()(ref(x[idx]), y[idx]).backward()
+        sgd.step()
+    torch.testing.assert_close(got, flat(ref.state_dict()))
