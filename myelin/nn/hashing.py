@@ -10,13 +10,17 @@ Two families, both vectorised over rows and tables (no Python loop over either):
   at `bin_size` random coordinates and keeps the position of the largest; a hash whose
   coordinates are all zero (common for sparse or ReLU vectors) borrows the code of
   another hash of the same row ("densification"), trying up to `DENSIFY_TRIES` others.
-Hash functions are buffers, so they are saved with the layer and travel with `.to()`;
-`redraw(g)` replaces them with the g-th draw of the same seed (SLIDE's periodic rebuild).
+Hash functions are buffers, so they are saved with the layer and travel with `.to()`
+(to a device only: a dtype cast leaves them fp32, hashing is fp32 whatever the layer's
+dtype); `redraw(g)` replaces them with the g-th draw of the seed, itself a buffer, so a
+checkpoint's later redraws are those of the seed it was trained with.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +58,8 @@ class Hasher(nn.Module):
         self.bin_size = bin_size
         per_hash = 1 if family == "simhash" else (bin_size - 1).bit_length()
         self.code_bits = bits * per_hash  # a table's code is < 2 ** code_bits
-        self.seed = seed
+        # a buffer, so a checkpoint carries the seed its redraws (`redraw`) come from
+        self.register_buffer("seed", torch.tensor(seed, dtype=torch.long))
         for name, value in self._draw(0).items():
             self.register_buffer(name, value)
         self.register_buffer("place", torch.arange(bits) * per_hash)  # bit offset of hash k
@@ -63,7 +68,7 @@ class Hasher(nn.Module):
         """The hash functions of `generation` (0: the first; SLIDE draws new ones now and
         then): projections (simhash) or coordinates (dwta), and densification's shifts."""
         purpose = "hash" if generation == 0 else f"hash/{generation}"
-        g = torch.Generator().manual_seed(stream_seed(self.seed, purpose))
+        g = torch.Generator().manual_seed(stream_seed(int(self.seed), purpose))
         n, dim = self.bits * self.tables, self.dim
         if self.family == "simhash":
             projection = torch.randn(dim, n, generator=g)
@@ -77,6 +82,21 @@ class Hasher(nn.Module):
         # densification: hash j borrows from hash (j + shift[t]) % (K*L) on try t
         shift = torch.randint(1, max(n, 2), (DENSIFY_TRIES,), generator=g)
         return {"projection": projection, "coords": coords, "shift": shift}
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:
+        # checkpoints from before the seed was saved: redraws keep this hasher's own seed
+        state_dict.setdefault(prefix + "seed", self.seed.clone())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kw)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Hasher:
+        """As nn.Module's, but the projections stay fp32 under a dtype cast (`.to(bf16)`,
+        `.double()`): rounded, they would give the same vectors other codes than those
+        the tables hold. A device move applies to them as to every buffer."""
+        projection = self.projection
+        super()._apply(fn, recurse)
+        if self.projection.dtype != projection.dtype:
+            self.projection = projection.to(self.projection.device)
+        return self
 
     @torch.no_grad()
     def redraw(self, generation: int) -> None:
@@ -98,7 +118,7 @@ class Hasher(nn.Module):
         x = x.float()
         if self.family == "simhash":
             # fp32 whatever the layer's dtype: the sign bits are the same for every copy
-            per = (x @ self.projection.float() > 0).long()  # (N, K*L) sign bits
+            per = (x @ self.projection > 0).long()  # (N, K*L) sign bits
         else:
             seen = x[:, self.coords]  # (N, K*L, bin)
             per = seen.argmax(2)

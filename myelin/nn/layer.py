@@ -197,13 +197,14 @@ class LSHSoftmax(SeededModule):
         mode = self.config.inference if inference is None else inference
         if mode not in INFERENCE:
             raise ConfigError(f"inference={mode!r} must be one of {INFERENCE}")
+        x = h.to(self.weight.dtype)  # as training: retrieval hashes h, the matmul takes x
         if mode == "exact":
-            return F.linear(h, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         ids, row = self._retrieve(h)
         active = torch.unique(ids)
         where = torch.full((self.num_classes,), -1, dtype=torch.long, device=h.device)
         where[active] = torch.arange(active.numel(), device=h.device)
-        part = torch.addmm(self.bias[active], h, self.weight[active].t())  # (B, A)
+        part = torch.addmm(self.bias[active], x, self.weight[active].t())  # (B, A)
         mine = torch.zeros_like(part, dtype=torch.bool)
         mine[row, where[ids]] = True
         out = torch.full((h.shape[0], self.num_classes), -math.inf, device=h.device,
@@ -220,8 +221,9 @@ class LSHSoftmax(SeededModule):
 
 def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean over rows of -sum over a row's labels (column ids, -1 padding) of log softmax
-    / the row's label count: SLIDE's multi-label target 1/|Y|. Rows without labels add 0."""
-    logp = torch.log_softmax(logits.float(), dim=1)
+    / the row's label count: SLIDE's multi-label target 1/|Y|. Rows without labels add 0.
+    In fp32 or wider: bf16 and fp16 logits are raised to fp32, float64 ones kept."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), 1)
     valid = labels >= 0
     # a pad gathers class 0, whose log p may be -inf (LSH inference): masked, not * 0 (nan)
     picked = logp.gather(1, labels.clamp(min=0)).masked_fill(~valid, 0.0)

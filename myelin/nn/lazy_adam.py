@@ -25,7 +25,8 @@ __all__ = ["LazyAdam"]
 
 
 class LazyAdam(torch.optim.Optimizer):
-    """Row-wise lazy Adam (no weight decay); see the module docstring."""
+    """Row-wise lazy Adam; see the module docstring. torch Adam's weight_decay and amsgrad
+    are refused with a ConfigError (their defaults, 0 and False, are accepted)."""
 
     def __init__(
         self,
@@ -33,14 +34,20 @@ class LazyAdam(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
     ) -> None:
-        if not (isinstance(lr, (int, float)) and lr > 0):
-            raise ConfigError(f"lr={lr!r} must be a number > 0")
-        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            raise ConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
-        if not (isinstance(eps, (int, float)) and eps > 0):
-            raise ConfigError(f"eps={eps!r} must be a number > 0")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps})
+        _refuse_unsupported(weight_decay, amsgrad)
+        defaults = {"lr": lr, "betas": betas, "eps": eps}
+        _check_settings(defaults)
+        super().__init__(params, {**defaults, "betas": tuple(betas)})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, and check the group's own lr, betas and eps (a group may set them)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_settings(group)
+        group["betas"] = tuple(group["betas"])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -58,7 +65,7 @@ class LazyAdam(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         lr, eps = group["lr"], group["eps"]
         beta1, beta2 = group["betas"]
-        rows_of = p.view(1, -1) if p.dim() == 0 else p.view(p.shape[0], -1)  # (R, d)
+        rows_of = _as_rows(p)  # (R, d): a view of p, or a copy written back below
         state = self.state[p]
         if not state:
             state["exp_avg"] = torch.zeros_like(rows_of)
@@ -101,3 +108,52 @@ class LazyAdam(torch.optim.Optimizer):
             m_all[rows] = m
             v_all[rows] = v
             rows_of.index_add_(0, rows, update, alpha=-1)
+        if rows_of.data_ptr() != p.data_ptr():  # p's layout (channels_last) has no row view
+            p.copy_(rows_of.view(p.shape))
+
+
+def _as_rows(p: torch.Tensor) -> torch.Tensor:
+    """p as (rows, d), its first dimension the rows (a 0-d p is one row): a view when p's
+    strides allow one, else a contiguous copy in the same logical order (a channels_last
+    or permuted p), which the caller writes back; the state is (rows, d) either way."""
+    shape = (1, -1) if p.dim() == 0 else (p.shape[0], -1)
+    try:
+        return p.view(shape)
+    except RuntimeError:
+        return p.reshape(shape)
+
+
+def _refuse_unsupported(weight_decay: float, amsgrad: bool) -> None:
+    """torch Adam's weight_decay and amsgrad, which LazyAdam lacks: a clear refusal, not
+    a TypeError or a silent dense-Adam mismatch."""
+    if weight_decay:
+        raise ConfigError(
+            f"LazyAdam: weight_decay={weight_decay!r} is not supported: decay would reach "
+            "only the rows a sparse gradient touched, not every row as in torch.optim.Adam; "
+            "use torch.optim.AdamW for dense parameters, or add the decay to the loss"
+        )
+    if amsgrad:
+        raise ConfigError(
+            f"LazyAdam: amsgrad={amsgrad!r} is not supported (it keeps no running maximum "
+            "of the second moment); use torch.optim.Adam(amsgrad=True) for dense parameters"
+        )
+
+
+def _check_settings(group: dict[str, Any]) -> None:
+    """lr > 0, two betas in [0, 1) and eps > 0, for the defaults and for each group."""
+    lr, betas, eps = group["lr"], group["betas"], group["eps"]
+    if not (_is_number(lr) and lr > 0):
+        raise ConfigError(f"lr={lr!r} must be a number > 0")
+    if not (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(_is_number(b) and 0 <= b < 1 for b in betas)
+    ):
+        raise ConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
+    if not (_is_number(eps) and eps > 0):
+        raise ConfigError(f"eps={eps!r} must be a number > 0")
+
+
+def _is_number(x: Any) -> bool:
+    """An int or float, not a bool (True is an int to isinstance)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -26,6 +26,7 @@ import torch
 from myelin.errors import ConfigError
 from myelin.replicas.hogbatch_strategy import (
     HogbatchStrategy,
+    check_loss_fn,
     check_model,
     check_optimizer,
     dataset_of,
@@ -174,6 +175,7 @@ class Hogbatch:
 
         lr, wd = check_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
         check_model(model)
+        check_loss_fn(loss_fn)
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         data = dataset_of(data, "Hogbatch.fit(data=...)")

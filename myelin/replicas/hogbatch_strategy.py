@@ -16,6 +16,7 @@ import contextlib
 import copy
 import math
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -25,7 +26,14 @@ from myelin.replicas import Context, Strategy
 from myelin.replicas.hogbatch_run import Run
 from myelin.replicas.hogbatch_store import load_flat
 
-__all__ = ["HogbatchStrategy", "check_model", "check_optimizer", "dataset_of", "worker_copy"]
+__all__ = [
+    "HogbatchStrategy",
+    "check_loss_fn",
+    "check_model",
+    "check_optimizer",
+    "dataset_of",
+    "worker_copy",
+]
 
 _WHY = {
     "steps": "it trains whole epochs, and its workers' updates are not steps of one size; "
@@ -103,6 +111,7 @@ class HogbatchStrategy(Strategy):
             )
         lr, wd = check_optimizer(trainer.optimizer, self.params)
         check_model(trainer.module)
+        check_loss_fn(trainer.loop.stage.loss_fn)
         x, y = dataset_of(data, "fit")
         evals = args.get("eval_loader")
         eval_data = dataset_of(evals, "fit: eval_loader") if evals is not None else None
@@ -218,6 +227,19 @@ def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:
     if isinstance(lr, torch.Tensor):
         lr = float(lr)
     return float(lr), float(g.get("weight_decay", 0.0))
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """The workers are spawned processes, which get the loss function pickled (by this
+    process, for its own children): a lambda or a local function cannot go."""
+    try:
+        pickle.dumps(loss_fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ConfigError(
+            f"Hogbatch: loss_fn {loss_fn!r} cannot be sent to the spawned worker processes "
+            f"({exc}); use a module-level function, a functools.partial of one, or an "
+            f"nn.Module loss such as torch.nn.MSELoss()"
+        ) from None
 
 
 def check_model(model: torch.nn.Module) -> None:

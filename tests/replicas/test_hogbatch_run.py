@@ -386,3 +386,10 @@ def test_on_epoch_true_stops_the_run_and_resume_starts_at_the_next_epoch():
                   on_epoch=lambda epoch, wall_s: epoch == 1)  # fmt: skip
     assert [e["epoch"] for e in rep["evals"]] == [0, 1] and rep["state"]["epoch"] == 2
     assert torch.equal(rep["state"]["weights"], flat(model))
+
+
+def test_a_loss_the_workers_cannot_receive_is_a_config_error_before_any_start():
+    model, data, _ = problem(n=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ConfigError, match="loss_fn .* cannot be sent to the spawned worker"):
+        myelin.Hogbatch(cpu_workers=1).fit(model, opt, lambda o, t: (o - t).pow(2).mean(), data)

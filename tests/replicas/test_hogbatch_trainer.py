@@ -261,3 +261,11 @@ def test_a_sparse_embedding_trains_as_sgd_does():
         torch.nn.MSELoss()(ref(x[idx]), y[idx]).backward()
         sgd.step()
     torch.testing.assert_close(got, flat(ref.state_dict()))
+
+
+def test_a_loss_the_workers_cannot_receive_is_refused_before_any_start():
+    model, data, _ = problem(n=16)
+    with myelin.Trainer(model, SGD, lambda o, t: (o - t).pow(2).mean(), sync="hogbatch") as t:
+        with pytest.raises(ConfigError, match="cannot be sent to the spawned worker processes"):
+            t.fit(data)
+        assert t.steps_done == 0
