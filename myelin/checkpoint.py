@@ -181,22 +181,38 @@ def _restore_strategy(
     trainer: Checkpointable, vdir: Path, manifest: dict[str, Any], unmoved: list[str]
 ) -> None:
     """The replica strategy's own state (EASGD's x_i and center, DASO's schedule) is this
-    rank's: it comes back in the layout that wrote it, and starts afresh in another."""
-    strategy, world = getattr(trainer, "replicas", None), trainer.world
+    rank's: it comes back in the layout that wrote it, and starts afresh from the loaded
+    parameters in another (the strategy is told so by an empty state)."""
+    strategy = getattr(trainer, "replicas", None)
     if strategy is None:
         return
-    same = (manifest["stages"], manifest["data_parallel"]) == (
-        world.layout.stages,
-        world.layout.data_parallel,
-    )
-    if same and str(world.rank) in manifest["shards"]:
-        strategy.load_state_dict(_read_shard(vdir, manifest, world.rank).get("strategy", {}))
+    state: dict[str, Any] = {}
+    if _same_layout(trainer, manifest):
+        state = _read_shard(vdir, manifest, trainer.world.rank).get("strategy", {})
     elif strategy.state_dict():
         unmoved.append(
             f"{vdir}: the replica strategy's own state was saved with stages="
             f"{manifest['stages']} x data_parallel={manifest['data_parallel']} and starts "
-            f"afresh in this layout"
+            f"afresh from the loaded weights in this layout"
         )
+    strategy.load_state_dict(_strategy_state(strategy, state))
+
+
+def _same_layout(trainer: Checkpointable, manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved by this layout and holds this rank's shard."""
+    layout = trainer.world.layout
+    same = (manifest["stages"], manifest.get("data_parallel")) == (
+        layout.stages,
+        layout.data_parallel,
+    )
+    return same and str(trainer.world.rank) in manifest["shards"]
+
+
+def _strategy_state(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """`state`, or {} where another strategy saved it (its "strategy" tag names another),
+    so no strategy reads another's state as its own."""
+    tag = state.get("strategy")
+    return {} if tag is not None and tag != getattr(strategy, "name", "") else state
 
 
 def _shards_to_read(
@@ -255,8 +271,9 @@ def _load_by_stage(trainer: Checkpointable, vdir: Path, manifest: dict[str, Any]
         if shard["optimizer"] is not None:
             trainer.updater.load_state_dict(shard["optimizer"])
     strategy = getattr(trainer, "replicas", None)
-    if strategy is not None:
-        strategy.load_state_dict(shard.get("strategy", {}))
+    if strategy is not None:  # another replica's shard, or another layout's: afresh
+        state = shard.get("strategy", {}) if _same_layout(trainer, manifest) else {}
+        strategy.load_state_dict(_strategy_state(strategy, state))
     _set_rng_state(shard["rng"])
     trainer.steps_done = shard["steps_done"]
     trainer.seq = shard["seq"]

@@ -7,22 +7,33 @@ flight record, whose last lines go into the error's notes. A launcher's SIGTERM,
 when another rank failed, is raised as its reason instead of killing the rank silently;
 `myelin run`'s SIGINT (the user pressed Ctrl-C) ends the rank quietly: the launcher prints
 the one line. Either way the rank writes its flight record wherever the signal found it
-and tells the launcher where (runtime/launched.py).
-After a failure the pipeline is broken: every later call says so.
+and tells the launcher where (runtime/launched.py). Once the interpreter exits, SIGTERM is
+ignored: the rank is ending anyway, and an error raised in an exit handler would only cut
+its goodbye short. After a failure the pipeline is broken: every later call says so.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from myelin.errors import DeviceMemoryError, MyelinError, PeerLostError, RemoteError
+from myelin.errors import (
+    CheckpointError,
+    ConfigError,
+    DeviceMemoryError,
+    MyelinError,
+    PeerLostError,
+    RemoteError,
+)
 from myelin.offload.budget import DeviceBudget
 from myelin.runtime import launched
 from myelin.runtime.flight import FlightRecorder
@@ -89,6 +100,24 @@ class Failures:
             self.record(error)
         return error
 
+    @contextlib.contextmanager
+    def collective(self, doing: str) -> Iterator[None]:
+        """Around a call every rank makes together (a checkpoint save or load, a profile
+        gather): in a world of several ranks a failure in it is this rank's failure, told
+        to its peers and the launcher as a failed step's is (a lost peer named as such),
+        so none waits for this rank, and none blames it for a loss it only saw. A bad
+        argument or checkpoint (ConfigError, CheckpointError: found before this rank's
+        state changes, as every rank finds it) leaves the trainer usable."""
+        if self.transport is None:  # one rank: nobody to tell, and the trainer stays usable
+            yield
+            return
+        try:
+            yield
+        except (ConfigError, CheckpointError):
+            raise
+        except BaseException as exc:
+            self.raise_failed(exc, doing)
+
     def raise_failed(self, exc: BaseException, doing: str) -> NoReturn:
         """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself."""
         error = self.fail(exc, doing)
@@ -142,6 +171,18 @@ class Failures:
             signal.SIG_DFL,
         ):
             self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+        if self._old:
+            atexit.register(self._ignore_sigterm)  # after Liveness's: it runs before it
+
+    def _ignore_sigterm(self) -> None:
+        """At interpreter exit: the launcher's SIGTERM (another rank failed) finds this rank
+        ending already. Raising it there would break off an exit handler (the heartbeats'
+        goodbye) with an error nobody catches, and once Python restores default handlers
+        late in its exit the signal would kill the rank (exit code -15, as if the launcher
+        had had to stop it), hiding its own exit status. Ignored, the rank ends as it was
+        ending; a launcher still kills one that takes too long."""
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.failed is not None:
@@ -180,6 +221,7 @@ class Failures:
 
     def release_sigterm(self) -> None:
         """Put back the signal handlers that were there before `catch_sigterm`."""
+        atexit.unregister(self._ignore_sigterm)
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
         self._old.clear()

@@ -8,11 +8,12 @@ once they run (its torch import overlaps theirs). Each rank runs in a process gr
 its own with torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT and the TORCHELASTIC_* variables that point ranks at that
 store. Then, every 50 ms:
-1. a rank that said it raised an error (through the pipe, before its slow exit), or else
-   exited non-zero first, is the first failure; a frozen (SIGSTOPped) rank is killed as
-   soon as a rank said it failed, since it cannot act on the failed rank's abort. Once a
-   rank exited non-zero every other rank gets SIGTERM and, after `grace_s`, SIGKILL; the
-   exit status is the first failure's;
+1. a rank killed by a signal (without saying it failed), else one that said it raised an
+   error (through the pipe, before its slow exit), else one that exited non-zero, is the
+   first failure; a frozen (SIGSTOPped) rank is killed as soon as a rank said it failed,
+   since it cannot act on the failed rank's abort. Once a rank exited non-zero every
+   other rank gets SIGTERM and, after `grace_s`, SIGKILL; the exit status is the first
+   failure's;
 2. SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher stops every rank the same way (with
    SIGINT, which a rank ends on quietly) and prints one line: interrupted, which ranks
    were stopped, where their flight records are; the exit status is 128 + the signal.
@@ -169,7 +170,7 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
         told = sorted((r for r in ranks if r.failed), key=lambda r: r.failed)
         exited = [r for r in ranks if r.code]
         if first is None and (told or exited):
-            first = (told or exited)[0]  # said it raised (it is exiting), or exited non-zero
+            first = _first(told, exited)
         if told:  # the others are being told by the failed rank; a frozen one cannot hear
             for r in ranks:
                 if r.code is None and _frozen(r.proc.pid):
@@ -196,6 +197,15 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
         flush=True,
     )
     return first.code if first.code is not None and 0 < first.code < 256 else 1
+
+
+def _first(told: list[_Rank], exited: list[_Rank]) -> _Rank:
+    """The rank that failed first, from the first poll that saw a failure: one killed by
+    a signal without having said it failed (SIGKILL, a crash), as the ranks that said so
+    in the same poll may only have seen it die; else the first that said it raised (it is
+    on its slow way out); else the first that exited non-zero."""
+    killed = [r for r in exited if r.code is not None and r.code < 0 and not r.failed]
+    return (killed or told or exited)[0]
 
 
 def _stop(ranks: list[_Rank], grace_s: float, signum: int = signal.SIGTERM) -> None:

@@ -16,7 +16,7 @@ from myelin.placement import Tied, parameter_names, place_stage, stage_modules
 from myelin.precision import compute_dtype
 from myelin.reshard import stage_keys
 from myelin.runtime.clip import GlobalNorm, norm_slots
-from myelin.runtime.group import World
+from myelin.runtime.group import World, new_groups
 
 __all__ = ["PreparedStage", "prepare_stage"]
 
@@ -49,10 +49,7 @@ def prepare_stage(
     local_names = parameter_names(model, cfg, world.stage)
     clip = None
     if max_grad_norm is not None:
-        slots, total = norm_slots(stages, world.stage)
-        clip = GlobalNorm(
-            max_grad_norm, slots, total, counts=world.replica == 0, device=world.device
-        )
+        clip = _global_norm(max_grad_norm, stages, world, cfg.sync)
     full = pretrained.full_names(model, stages[world.stage]) if weights else None
     module, tied = place_stage(model, cfg, world)
     if full is not None:
@@ -67,3 +64,23 @@ def prepare_stage(
     module.to(dtype)
     layers = [stage_keys(m).layers for m in stages]
     return PreparedStage(module, tied, state_layout, layers, names, initial, clip, dtype)
+
+
+def _global_norm(max_norm: float, stages: list[Any], world: World, sync: Any) -> GlobalNorm:
+    """The clip of this rank's stage. Under AllReduce every replica applies the same
+    averaged gradient: replica 0's norms, summed over the world, stand for all. Where each
+    replica applies its own gradient (`sync.own_gradients`: EASGD, whose gradients are
+    never averaged; DASO, whose are at most averaged inside a node, so equal there), each
+    replica clips by the norm of its own, as clip_grad_norm_ in its own process would:
+    over its pipeline ranks only, and without any collective when it has one stage."""
+    slots, total = norm_slots(stages, world.stage)
+    if not getattr(sync, "own_gradients", False):
+        return GlobalNorm(max_norm, slots, total, counts=world.replica == 0, device=world.device)
+    stage_count = world.layout.stages
+    group = None
+    if stage_count > 1:  # every rank makes every replica's group, in the same order
+        group = new_groups(world, [tuple(range(stage_count))])[tuple(range(stage_count))]
+    one = stage_count == 1
+    return GlobalNorm(
+        max_norm, slots, total, counts=True, device=world.device, group=group, alone=one
+    )

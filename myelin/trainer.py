@@ -24,12 +24,7 @@ from torch import nn
 
 from myelin import checkpoint, collector, compiled, hf, pretrained, teardown
 from myelin import fit as fit_loop
-from myelin.config import (
-    PipelineConfig,
-    check_callables,
-    check_max_grad_norm,
-    flight_dir_of,
-)
+from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
 from myelin.failures import Failures
 from myelin.microbatch import split_batch, uneven_rows
@@ -37,23 +32,14 @@ from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
 from myelin.offload.pool import parse_bytes
 from myelin.partition import split
-from myelin.placement import (
-    check_every_stage_trains,
-    layer_modules,
-    stage_device,
-)
+from myelin.placement import check_every_stage_trains, layer_modules, stage_device
 from myelin.profile.config import ProfileConfig
 from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
 from myelin.replicas import Context, choose
 from myelin.runtime.bounded import Waits
-from myelin.runtime.group import (
-    Layout,
-    World,
-    check_world_size,
-    init_world,
-)
+from myelin.runtime.group import Layout, World, check_world_size, init_world
 from myelin.runtime.liveness import Liveness
 from myelin.runtime.loop import EventLoop, LoopConfig
 from myelin.runtime.peers import connect_peers
@@ -423,7 +409,7 @@ class Trainer:
         other ranks); every rank must call it. Load it into a plain PyTorch model to leave
         myelin."""
         self._check_usable()
-        with self.model_view():
+        with self._failures.collective("state_dict()"), self.model_view():
             return checkpoint.gather(self, self._state_layout)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
@@ -432,20 +418,27 @@ class Trainer:
         `Trainer(..., weights=path)` too; every rank must call it."""
         self._check_usable()
         pretrained.require_safetensors("save_pretrained")
-        pretrained.save(self.world, self.module, self._state_layout, path, self._configs)
+        with self._failures.collective("save_pretrained()"):
+            pretrained.save(self.world, self.module, self._state_layout, path, self._configs)
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.
 
         `extra` is plain data to keep with this rank's shard (a data position, say);
-        `load` returns it. Returns the version written (`myelin.checkpoint`: guarantees)."""
+        `load` returns it. Returns the version written (`myelin.checkpoint`: guarantees).
+        A failure (a peer lost at its barrier, a disk full) breaks the pipeline as a failed
+        step does, and every rank hears of it."""
         self._check_usable()
-        return checkpoint.save(self, path, extra)
+        with self._failures.collective("a checkpoint save"):
+            return checkpoint.save(self, path, extra)
 
     def load(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Restore the newest complete checkpoint under `path`; returns this rank's extra."""
+        """Restore the newest complete checkpoint under `path`; returns this rank's extra.
+        With several ranks a failure breaks the pipeline (this rank's state may be half
+        restored) and every rank hears of it."""
         self._check_usable()
-        self.resumed_extra = checkpoint.load(self, path)
+        with self._failures.collective("a checkpoint load"):
+            self.resumed_extra = checkpoint.load(self, path)
         return self.resumed_extra
 
     def profile_report(self) -> ProfileReport:
@@ -463,7 +456,8 @@ class Trainer:
                 raise MyelinError("no profile was gathered at close; see the warning logged")
             return self._report
         self._check_usable()
-        return gather_report(self.timeline, self.world, self.sampler, self._profile)
+        with self._failures.collective("a profile gather"):
+            return gather_report(self.timeline, self.world, self.sampler, self._profile)
 
     def model_view(self) -> contextlib.AbstractContextManager[None]:
         """While open, this stage's parameters hold what the model is under `sync`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,6 +123,12 @@ class ProfileReport:
         paths = {}
         for rec in self.ranks:
             paths[f"rank{rec['rank']}"] = write_json(out / "ranks" / f"rank{rec['rank']}.json", rec)
+        # an earlier run's ranks that this one has not (a directory reused with fewer
+        # ranks) would be read back as this run's
+        keep = {f"rank{rec['rank']}.json" for rec in self.ranks}
+        for stale in (out / "ranks").glob("rank*.json"):
+            if stale.name not in keep and re.fullmatch(r"rank\d+\.json", stale.name):
+                stale.unlink(missing_ok=True)  # every rank may be saving here at once
         paths["summary"] = write_json(out / "summary.json", self.summary(), indent=1)
         paths["trace"] = write_json(out / "trace.json", self.trace())
         if plot and not self.steps:

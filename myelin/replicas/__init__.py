@@ -24,7 +24,7 @@ import torch
 
 from myelin.runtime.group import World
 
-__all__ = ["Context", "Strategy"]
+__all__ = ["Context", "Strategy", "own_state"]
 
 
 @dataclass(slots=True)
@@ -43,6 +43,7 @@ class Context:
 class Strategy:
     """The hooks a running replica strategy implements; each default does nothing."""
 
+    name = ""  # the settings' name ("easgd", "daso"), which tags its checkpointed state
     reduces_gradients = False  # gradients change after the backwards (they cannot stream early)
     # True: `backwards_done` returns this replica's own loss, no collective per step (the
     # replicas hold different models); fit's rows average it over the replicas
@@ -86,7 +87,11 @@ class Strategy:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned; called after the parameters are loaded."""
+        """Restore what `state_dict` returned; called after the parameters are loaded, by
+        every load, with {} where the checkpoint holds no state of this rank (another
+        layout, a checkpoint saved before any strategy state): a strategy whose state
+        derives from the parameters (EASGD's center, DASO's synchronised ones) then starts
+        afresh from the loaded ones."""
 
     def stats(self) -> dict[str, int]:
         """Bytes this rank put into the strategy's communication, by kind (inside a node,
@@ -100,3 +105,13 @@ class Strategy:
 
     def close(self) -> None:
         """Release what the strategy holds (processes, sockets); safe to call twice."""
+
+
+def own_state(state: dict[str, Any], name: str, marker: str) -> dict[str, Any] | None:
+    """`state` if a strategy called `name` saved it, else None (another strategy's, or
+    nothing). State is tagged with its strategy's name ("strategy"); older checkpoints'
+    untagged state is recognised by the key `marker` only that strategy saves."""
+    tag = state.get("strategy")
+    if tag is not None:
+        return state if tag == name else None
+    return state if marker in state else None

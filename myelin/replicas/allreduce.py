@@ -15,6 +15,7 @@ stage after the backwards (their gradients are not final when backward ends).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ __all__ = ["AllReduce", "AllReduceReplicas", "average_gradients"]
 class AllReduce:
     """The default: every step, gradients and the loss are averaged over the replicas.
 
-    bucket_mb: size of one all-reduce bucket, in MiB.
+    bucket_mb: size of one all-reduce bucket, in MiB (a finite number > 0).
     overlap: launch each bucket during the step's last backward once its gradients are
       final, instead of after the backward.
     What the model is: the parameters, identical on every replica after every step.
@@ -47,6 +48,8 @@ class AllReduce:
             raise ConfigError(f"AllReduce(bucket_mb={self.bucket_mb!r}) must be a number > 0")
         if not self.bucket_mb > 0:
             raise ConfigError(f"AllReduce(bucket_mb={self.bucket_mb}) must be > 0")
+        if not math.isfinite(self.bucket_mb):  # a bucket's size in bytes is an int
+            raise ConfigError(f"AllReduce(bucket_mb={self.bucket_mb}) must be finite")
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"AllReduce(overlap={self.overlap!r}) must be True or False")
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from myelin.errors import ConfigError, MyelinError
-from myelin.replicas import Context, Strategy
+from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import Collectives
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
 from myelin.replicas.flat import flatten, holding, unflatten
@@ -81,6 +81,10 @@ class DASO:
     local_skip_factor: int = 4
 
     name = "daso"
+    # each replica applies its node's gradient (averaged inside the node on the steps the
+    # local skip allows, its own on the others), never every replica's mean: max_grad_norm
+    # clips it by its own norm, over its own pipeline ranks (stage_setup.py)
+    own_gradients = True
 
     def __post_init__(self) -> None:
         _int("node_size", self.node_size, 1, optional=True)
@@ -128,6 +132,7 @@ class DasoReplicas(Strategy):
 
     reduces_gradients = True
     local_loss = True  # nodes hold different parameters between syncs: the loss is its own
+    name = "daso"
 
     def __init__(self, spec: DASO, ctx: Context) -> None:
         world, layout = ctx.world, ctx.world.layout
@@ -144,14 +149,21 @@ class DasoReplicas(Strategy):
         self.downcast = self._probe(_DOWNCAST[spec.downcast])
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step
-        self.synced = flatten(self.params)  # the parameters of the last blocking average
+        # the parameters of the last blocking average; a checkpoint's load resets them from
+        # the loaded ones (load_state_dict)
+        self.synced = flatten(self.params)
         self._viewing = False
 
     def plan(self, epoch_steps: int | None, epochs: int | None) -> None:
-        """fit(epochs=...) says how long an epoch is and how many run (unless set)."""
+        """fit(epochs=...) says how long an epoch is and how many run (unless set). With
+        DASO(epoch_steps=N) of another length than the loader's, fit's epochs are counted
+        in DASO's: the same steps, so the cool-down comes at the run's end."""
         if self.schedule is None:
+            if self._total is None and epochs is not None:
+                if self._epoch_steps is not None and epoch_steps is not None:
+                    epochs = math.ceil(epochs * epoch_steps / self._epoch_steps)
+                self._total = epochs
             self._epoch_steps = self._epoch_steps or epoch_steps
-            self._total = self._total or epochs
         elif epoch_steps is not None and epoch_steps != self._epoch_steps:
             log.warning(
                 "DASO keeps the epoch length it planned (%d steps): this fit's loader has %d; "
@@ -160,13 +172,16 @@ class DasoReplicas(Strategy):
                 epoch_steps,
             )
 
+    def check_step(self) -> None:
+        """Before any of the step's work: DASO must know its epoch length (the trainer stays
+        usable, for fit(loader, epochs=E) or another trainer's settings)."""
+        if self.schedule is None and self._epoch_steps is None:
+            raise _no_epoch_length()
+
     def _sched(self) -> DasoSchedule:
         if self.schedule is None:
             if self._epoch_steps is None:
-                raise ConfigError(
-                    "DASO needs the epoch length: DASO(epoch_steps=N), or trainer.fit(loader, "
-                    "epochs=E) with a loader that has a len()"
-                )
+                raise _no_epoch_length()
             s = self.spec
             self.schedule = DasoSchedule(
                 node_size=self.g,
@@ -325,26 +340,45 @@ class DasoReplicas(Strategy):
             self.pending[send_id] = ([], [total], wait)
             pending[str(send_id)] = {"sum": total.cpu(), "wait": wait}
         sched = self._planned()  # None: saved before any step and any plan
-        state = {"schedule": sched.state_dict() if sched else None, "pending": pending}
+        state = {"strategy": self.name, "schedule": sched.state_dict() if sched else None}
+        state["pending"] = pending
         state["epoch_steps"], state["total_epochs"] = self._epoch_steps, self._total  # as planned
         state["local"] = flatten(self.params)  # the checkpoint's model entries are the synced ones
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "schedule" not in state:
+        """The parameters were loaded with the checkpoint's model: they become the
+        synchronised ones. With DASO's own state of this rank, the schedule, the pending
+        sends and this rank's parameters come back; without it (another strategy's
+        checkpoint, another layout) DASO starts afresh from the loaded parameters, its
+        schedule from the first step. Sends in flight before the load are dropped."""
+        for send_id in list(self.pending):
+            self._finish(send_id)  # waited for, so no collective is left in flight
+        self.schedule = None
+        self.synced = flatten(self.params)
+        own = own_state(state, self.name, "schedule")
+        if own is None:
             return
+        state = own
         # the plan the run was saved under (fit's, when DASO(...) left it open): a resumed
         # run loads before fit plans again, and must cool down where the first would have
         self._epoch_steps = self._epoch_steps or state.get("epoch_steps")
         self._total = self._total or state.get("total_epochs")
         if state["schedule"] is not None:
             self._sched().load_state_dict(state["schedule"])
-        self.synced = flatten(self.params)  # loaded as the model: the synchronised parameters
         unflatten(state["local"], self.params)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = {
             int(k): ([], [v["sum"].to(device)], int(v["wait"])) for k, v in state["pending"].items()
         }
+
+
+def _no_epoch_length() -> ConfigError:
+    """The error of a step DASO cannot schedule: it does not know its epoch length."""
+    return ConfigError(
+        "DASO needs the epoch length: DASO(epoch_steps=N), or trainer.fit(loader, "
+        "epochs=E) with a loader that has a len()"
+    )
 
 
 def merge_stale(params: list[torch.Tensor], total: torch.Tensor, wait: int, nodes: int) -> None:

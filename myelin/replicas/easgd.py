@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError
-from myelin.replicas import Context, Strategy
+from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import Collectives
 from myelin.replicas.flat import flatten, holding, unflatten
 
@@ -63,6 +63,9 @@ class EASGD:
     momentum: float = 0.0
 
     name = "easgd"
+    # each replica applies its own gradient, never averaged: max_grad_norm clips it by its
+    # own norm, over its own pipeline ranks (stage_setup.py)
+    own_gradients = True
 
     def __post_init__(self) -> None:
         if type(self.tau) is not int or self.tau < 1:
@@ -126,6 +129,7 @@ class EasgdReplicas(Strategy):
     """One replica of EASGD: local steps, an elastic exchange every tau steps."""
 
     local_loss = True  # the replicas hold different models: each step's loss is its own
+    name = "easgd"
 
     def __init__(self, spec: EASGD, ctx: Context) -> None:
         if spec.momentum and ctx.optimizer is not None:
@@ -138,7 +142,9 @@ class EasgdReplicas(Strategy):
         self.t = 0  # this replica's clock: steps done
         self.exchanges = 0
         self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "easgd")
-        self._center = flatten(self.params)  # every replica starts from the same weights
+        # every replica starts from the same weights; a checkpoint's load resets it from
+        # the loaded ones (load_state_dict)
+        self._center = flatten(self.params)
         self._round: tuple[torch.Tensor, Any] | None = None  # (sum, work): not yet applied
         self.velocity = torch.zeros_like(self._center) if spec.momentum else None
         self.hub = None
@@ -260,30 +266,47 @@ class EasgdReplicas(Strategy):
             self._viewing = False
 
     def state_dict(self) -> dict[str, Any]:
-        """x_i, the clock and the velocity; the checkpoint's model entries hold x~."""
+        """x_i, the clock and the velocity, tagged "easgd"; the checkpoint's model entries
+        hold x~."""
         local = flatten(self.params)
-        state: dict[str, Any] = {"local": local, "t": self.t, "exchanges": self.exchanges}
+        state: dict[str, Any] = {"strategy": self.name, "local": local, "t": self.t}
+        state["exchanges"] = self.exchanges
         if self.velocity is not None:
             state["velocity"] = self.velocity.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The parameters were loaded with x~: keep it as the center (in the hub: replica 0
-        puts it back there, and no replica exchanges before it has), restore x_i."""
-        if "local" not in state:
+        """The parameters were loaded with the checkpoint's model: it becomes the center.
+        With EASGD's own state of this rank, x_i, the clock and the velocity come back;
+        without it (another strategy's checkpoint, another layout) every replica starts
+        afresh from the loaded parameters, x_i = x~, so no exchange pulls toward the
+        weights the trainer was built with."""
+        self._set_center(flatten(self.params))
+        own = own_state(state, self.name, "t")
+        if own is None:
+            self.t = 0
+            if self.velocity is not None:
+                self.velocity.zero_()
             return
+        unflatten(own["local"], self.params)
+        self.t, self.exchanges = int(own["t"]), int(own["exchanges"])
+        if self.velocity is not None and "velocity" in own:
+            self.velocity.copy_(own["velocity"])
+
+    def _set_center(self, center: torch.Tensor) -> None:
+        """x~ <- `center`: on every rank (sync; a round in flight is waited for and
+        dropped), or in the hub, where replica 0 puts it and no replica exchanges before
+        it has (a barrier over the replicas)."""
         if self.hub is None:
-            self._round = None
-            self._center = flatten(self.params)
-        else:
-            if self.replica == 0:
-                self.hub.set(flatten(self.params))
-            if self.replicas > 1:
-                self.comm.all_reduce(torch.zeros(1), self.group, "exchange")  # a barrier
-        unflatten(state["local"], self.params)
-        self.t, self.exchanges = int(state["t"]), int(state["exchanges"])
-        if self.velocity is not None and "velocity" in state:
-            self.velocity.copy_(state["velocity"])
+            round_, self._round = self._round, None
+            if round_ is not None and round_[1] is not None:
+                self.comm.wait(round_[1], "exchange")
+            self._center = center
+            return
+        if self.replica == 0:
+            self.hub.set(center)
+        if self.replicas > 1:
+            self.comm.all_reduce(torch.zeros(1), self.group, "exchange")  # a barrier
 
     def close(self) -> None:
         try:  # no collective left in flight on a group about to be destroyed

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import math
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -230,16 +231,19 @@ def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:
 
 
 def check_loss_fn(loss_fn: Any) -> None:
-    """The workers are spawned processes, which get the loss function pickled (by this
-    process, for its own children): a lambda or a local function cannot go."""
-    try:
-        pickle.dumps(loss_fn)
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+    """The workers are spawned processes, which receive the loss function by reference (its
+    module and name): a lambda or a function defined inside another cannot go."""
+    fn = loss_fn
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    name = getattr(fn, "__qualname__", "") if inspect.isfunction(fn) else ""
+    if "<lambda>" in name or "<locals>" in name:
         raise ConfigError(
-            f"Hogbatch: loss_fn {loss_fn!r} cannot be sent to the spawned worker processes "
-            f"({exc}); use a module-level function, a functools.partial of one, or an "
-            f"nn.Module loss such as torch.nn.MSELoss()"
-        ) from None
+            f"Hogbatch: loss_fn {name} cannot be sent to the spawned worker processes (they "
+            f"import a function by its module and name); use a module-level function, a "
+            f"functools.partial of one, or an nn.Module loss such as torch.nn.MSELoss()"
+        )
 
 
 def check_model(model: torch.nn.Module) -> None:

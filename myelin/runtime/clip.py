@@ -3,9 +3,15 @@ offload bucket, computed as `torch.nn.utils.clip_grad_norm_` computes it in one 
 
 Each stage takes the norm of each of its gradients; the norms travel in one all-reduce, each
 in the slot its parameter has in the whole model's parameter order (a tied parameter counted
-once, on the first stage that holds it; replicas other than 0 add zeros, their gradients
-being the same averages). Every rank then takes the norm of the norms in that order, so the
-total, and the clipped gradients, are those of one process.
+once, on the first stage that holds it). Every rank then takes the norm of the norms in that
+order, so the total, and the clipped gradients, are those of one process.
+
+Two scopes, by what the replicas apply. Where every replica applies the replicas' mean
+gradient (AllReduce), the all-reduce spans the world and replicas other than 0 add zeros,
+their gradients being the same averages. Where each replica applies its own (EASGD; DASO,
+whose gradients are averaged inside a node at most), each replica's norm is of its own
+gradient: the all-reduce spans that replica's pipeline ranks only (`group`), and with one
+stage (`alone`) there is none.
 """
 
 from __future__ import annotations
@@ -52,14 +58,18 @@ class GlobalNorm:
         counts: bool,
         device: torch.device,
         group: Any = None,
+        alone: bool = False,
     ) -> None:
         # counts: this rank's norms go into the sum (replica 0); others add zeros
+        # group: the ranks whose norms make the total (None: the world)
+        # alone: this rank holds every gradient of the total (no collective)
         self.max_norm = float(max_norm)
         self.slots = slots
         self.total_slots = total_slots
         self.counts = counts
         self.device = device
         self.group = group
+        self.alone = alone
         self.last_norm: float | None = None
 
     def clip(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -79,7 +89,7 @@ class GlobalNorm:
                 norm = _sparse_norm(g) if g.is_sparse else next(norms)
                 if slot >= 0:
                     vector[slot] = norm.to(self.device, torch.float32)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        if not self.alone and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(vector, group=self.group)
         # the norms of the gradients that exist, in the whole model's order, as one process
         # stacks them for clip_grad_norm_

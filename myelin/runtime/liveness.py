@@ -53,6 +53,7 @@ _LOOK_S = 0.5  # how often peers' processes and the launcher are looked at, at m
 # thread and its peers' ZMQ and heartbeat threads ~10 times a step, CPU taken from the
 # ranks' compute when ranks share cores (4 ranks on 2: 2 ms of a 25 ms step).
 _NEWS_S = 0.05
+_SEEN = (PeerLostError, RemoteError, LauncherLostError)  # another rank's failure, seen here
 
 
 def host_id() -> str:
@@ -243,22 +244,7 @@ class Liveness:
                 self._take()  # goodbyes that came since the thread last looked
             except zmq.ZMQError:
                 pass  # the context is gone (the thread died of it): nothing more can come
-        failed = self.failed
-        doing = "closed its trainer"
-        if failed is None and self._exiting:  # the script itself ended with an error
-            failed = getattr(sys, "last_value", None)
-            if failed is not None:  # raised in the user's code: this rank failed first
-                doing = f"raised {type(failed).__name__} in its script, outside the trainer"
-                tell_launcher(f"failed {self.rank}")
-        beat: dict[str, Any] = {"rank": self.rank, "doing": doing, "bye": True}
-        beat["counts"] = list(self.counts)
-        if failed is not None:
-            beat["failed"] = f"{type(failed).__name__}: {failed}"[:300]
-            beat["stopped"] = self.stopped
-            beat["told"] = self.failed is not None  # the trainer sent its peers an abort
-            if isinstance(failed, PeerLostError):  # so peers relay the loss, not a failure
-                beat["lost"], beat["lost_doing"] = failed.rank, failed.doing[:200]
-        bye = msgpack.packb(beat)
+        bye = msgpack.packb(self._goodbye())
         for peer in self._peers.values():
             if peer.left:  # it closed its inbox: a goodbye would only wait out the linger
                 peer.sock.close(linger=0)
@@ -269,6 +255,31 @@ class Liveness:
                 pass
             peer.sock.close(linger=200)
         self._inbox.close(linger=0)
+
+    def _goodbye(self) -> dict[str, Any]:
+        """The last beat: what this rank did, its counts, and how it failed if it did. A
+        script that ended with an error of its own failed first (the launcher is told so
+        now, before the slow exit); one that ended with an error after a peer was lost
+        only saw that loss, so it names the lost rank, for the peers to relay."""
+        failed, doing = self.failed, "closed its trainer"
+        if failed is None and self._exiting:  # the script itself ended with an error
+            failed = getattr(sys, "last_value", None)
+            if failed is not None:
+                doing = f"raised {type(failed).__name__} in its script, outside the trainer"
+                if not isinstance(failed, _SEEN) and self.find_lost() is None:
+                    tell_launcher(f"failed {self.rank}")  # its own error, not a loss seen
+        beat: dict[str, Any] = {"rank": self.rank, "doing": doing, "bye": True}
+        beat["counts"] = list(self.counts)
+        if failed is not None:
+            beat["failed"] = f"{type(failed).__name__}: {failed}"[:300]
+            beat["stopped"] = self.stopped
+            beat["told"] = self.failed is not None  # the trainer sent its peers an abort
+            lost = failed
+            if self.failed is None and not isinstance(failed, PeerLostError):
+                lost = self.lost  # the script's error came after a loss: most likely of it
+            if isinstance(lost, PeerLostError):  # so peers relay the loss, not a failure
+                beat["lost"], beat["lost_doing"] = lost.rank, lost.doing[:200]
+        return beat
 
     # -- the thread -------------------------------------------------------------------------
 
@@ -331,18 +342,25 @@ class Liveness:
                 peer.left = True
                 peer.counts = _counts(beat.get("counts"))
                 failed = beat.get("failed")
-                lost = beat.get("lost")
-                if isinstance(failed, str) and self.lost is None and beat.get("told") is True:
-                    if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= 0:
-                        doing = str(beat.get("lost_doing", "unknown"))
-                        told = f"rank {peer.rank} reports: {failed}"
-                        self.lost = PeerLostError(lost, doing, told)
-                    else:
-                        self.lost = RemoteError(peer.rank, failed)
-                    self.flight.note("rank %d failed: %s", peer.rank, failed)
-                elif isinstance(failed, str) and self.lost is None:
-                    quiet = beat.get("stopped") is True or self.stopped
-                    self._lose(peer, f"it ended with an error: {failed}", quiet=quiet)
+                if isinstance(failed, str) and self.lost is None:
+                    self._failed(peer, beat, failed)
+
+    def _failed(self, peer: _Peer, beat: dict, failed: str) -> None:
+        """A peer's goodbye says it failed: a loss it saw is relayed as that loss (whether
+        its trainer raised it or its script did: a survivor is never blamed for it); an
+        error its trainer told its peers of is a RemoteError, as the abort said; any
+        other error in its script loses the peer."""
+        lost = beat.get("lost")
+        if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= 0:
+            doing = str(beat.get("lost_doing", "unknown"))
+            self.lost = PeerLostError(lost, doing, f"rank {peer.rank} reports: {failed}")
+        elif beat.get("told") is True:  # (`told`: its trainer sent its peers an abort)
+            self.lost = RemoteError(peer.rank, failed)
+        else:
+            quiet = beat.get("stopped") is True or self.stopped
+            self._lose(peer, f"it ended with an error: {failed}", quiet=quiet)
+            return
+        self.flight.note("rank %d failed: %s", peer.rank, failed)
 
     def _look(self, now: float, beats: bool) -> None:
         if self.launcher is not None and self.lost is None and os.getppid() != self.launcher:

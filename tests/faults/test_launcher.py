@@ -199,6 +199,47 @@ def test_an_error_every_rank_caught_is_not_a_failed_job(tmp_path):
     assert "failed first" not in res.stderr, res.stderr[-3000:]
 
 
+SAME_POLL = """
+import os, signal, sys, time
+from pathlib import Path
+from myelin.runtime import launched
+pid_file = Path(sys.argv[1])
+if os.environ["RANK"] == "1":
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid_file.with_suffix(".tmp").rename(pid_file)
+    time.sleep(60)
+while not pid_file.exists():
+    time.sleep(0.01)
+victim, launcher = int(pid_file.read_text()), os.getppid()
+os.kill(launcher, signal.SIGSTOP)  # so it sees both at its next look
+try:
+    os.kill(victim, signal.SIGKILL)
+    while open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    launched.tell("failed 0")  # as a rank that saw the death and raised would
+finally:
+    os.kill(launcher, signal.SIGCONT)
+time.sleep(60)
+"""
+
+
+def test_a_killed_rank_fails_before_one_that_told_in_the_same_poll(tmp_path):
+    """Rank 1 is SIGKILLed, then rank 0 says it failed, both before the launcher looks
+    again: the killed rank, which could not say so, is the one that failed first (the
+    launcher named rank 0, as it preferred a rank that told)."""
+    script = tmp_path / "same_poll.py"
+    script.write_text(SAME_POLL)
+    res = subprocess.run(
+        [sys.executable, "-m", "myelin.cli", "run", "-n", "2", str(script), str(tmp_path / "pid")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+    )
+    assert "myelin run: rank 1 failed first (exit code -9)" in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 1, res.stderr[-3000:]
+
+
 @pytest.mark.slow  # 10 s; the frozen peer's heartbeat loss is slow too
 def test_a_frozen_rank_does_not_hold_the_launcher(tmp_path):
     """SIGSTOP: rank 0 loses rank 1 by heartbeat timeout and fails; the launcher must end

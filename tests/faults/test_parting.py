@@ -28,8 +28,8 @@ RAISE_S = 5.0  # the issue's bound: the error comes within 5 s
 END_S = 15.0  # and the job has ended, every process reaped (interpreter teardown, loaded)
 
 
-def run(tmp_path, mode, die=None, nproc=2):
-    args = [mode] + ([f"--die={die}"] if die else [])
+def run(tmp_path, mode, die=None, nproc=2, extra=()):
+    args = [mode] + ([f"--die={die}"] if die else []) + list(extra)
     job = launch(nproc, "parting.py", args, tmp_path, timeout=90)
     ended = time.time()
     victim = json.loads((tmp_path / "out" / "victim.json").read_text())
@@ -77,6 +77,54 @@ def test_a_rank_that_dies_is_named_wherever_its_peer_is(tmp_path, mode, die):
     check_place(job, victim, ended, lost_phrase=phrase)
     if mode in ("close", "user"):  # the launcher names the rank that raised, not its peer
         assert "myelin run: rank 1 failed first" in job.output, job.output[-3000:]
+
+
+def exit_codes(job) -> str:
+    """The launcher's 'exit codes by rank: {...}'."""
+    line = next(x for x in job.output.splitlines() if x.startswith("myelin run: rank"))
+    return line.split("exit codes by rank: ")[1].split("}")[0] + "}"
+
+
+def check_survivors_ended_well(job, tmp_path, survivors):
+    """Each survivor lived through a SIGTERM at exit (its own error ends it: not -15, and
+    no handler raised in an exit handler), and the launcher names the killed rank."""
+    victim = max(survivors) + 1
+    first = f"myelin run: rank {victim} failed first (exit code -9)"
+    assert first in job.output, job.output[-3000:]
+    assert "Exception ignored in atexit" not in job.output, job.output[-3000:]
+    assert "-15" not in exit_codes(job), exit_codes(job)
+    for r in survivors:
+        assert (tmp_path / "out" / f"exit{r}.json").exists(), (r, job.output[-3000:])
+
+
+def test_a_rank_killed_in_a_save_of_three_is_named_by_both_survivors(tmp_path):
+    """Three ranks, the last SIGKILLed while the others are in trainer.save, their errors
+    ending their scripts. The save's PeerLostError is now the trainer's failure (its
+    flight record written, its peers told the lost rank), not an error "in the script,
+    outside the trainer": before, a survivor told the launcher it had failed (and was
+    named as failing first, exit code -15), and its goodbye made the other survivor
+    blame it rather than rank 2."""
+    job, victim, ended = run(tmp_path, "checkpoint", "kill", 3, ["--end-with-error"])
+    for r in (0, 1):
+        res = job.results.get(r)
+        assert res is not None, f"rank {r} wrote nothing:\n{job.output[-4000:]}"
+        assert res["error_type"] == "PeerLostError" and res["lost"] == 2, res
+        assert any("failed in a checkpoint save" in n for n in res["notes"]), res
+        assert res["time"] - victim["time"] < RAISE_S, res["time"] - victim["time"]
+    check_survivors_ended_well(job, tmp_path, (0, 1))
+    assert ended - victim["time"] < END_S, ended - victim["time"]
+
+
+def test_a_rank_killed_in_a_user_barrier_is_the_one_that_failed_first(tmp_path):
+    """Rank 1 SIGKILLed while rank 0 waits in its own dist.barrier(): gloo's error ends
+    rank 0's script after the heartbeats saw the loss, so rank 0 does not tell the
+    launcher it failed (it was named as failing first), and the launcher's SIGTERM at its
+    exit no longer raises inside its exit handlers."""
+    job, victim, ended = run(tmp_path, "barrier", "kill", 2, ["--end-with-error"])
+    res = job.results.get(0)
+    assert res is not None and res["error_type"] is not None, job.output[-4000:]
+    check_survivors_ended_well(job, tmp_path, (0,))
+    assert ended - victim["time"] < END_S, ended - victim["time"]
 
 
 def check_uneven(job, victim, ended, *, mine: str, peer: str):

@@ -86,6 +86,48 @@ def test_a_goodbye_after_a_peer_loss_is_relayed_as_that_loss(lost):
         _close(transports, lives)
 
 
+@pytest.mark.parametrize("raised", ["PeerLostError", "RuntimeError"])
+def test_a_script_that_ended_after_a_loss_relays_it_and_tells_no_failure(monkeypatch, raised):
+    """Rank 2 lost rank 1, and its script ended with an error outside the trainer (the
+    PeerLostError itself, or gloo's RuntimeError from a barrier of its own): its goodbye
+    at exit names rank 1 for rank 0 to relay (it used to be relayed only from a trainer
+    that sent an abort, so rank 0 blamed rank 2), and rank 2 does not tell its launcher
+    it failed (the launcher named it as the rank that failed first)."""
+    transports, lives = _ranks(3)
+    told = []
+    monkeypatch.setattr("myelin.runtime.liveness.tell_launcher", told.append)
+    try:
+        loss = PeerLostError(1, "reducing gradients", "rank 2 lost rank 1 (stage 0, replica 1)")
+        lives[2].lost = loss
+        lives[2].acknowledged = True  # (its script raised it: no escalation)
+        error = loss if raised == "PeerLostError" else RuntimeError("Connection closed by peer")
+        monkeypatch.setattr("sys.last_value", error, raising=False)
+        lives[2]._close_at_exit()
+        relayed = _told(lives[0])
+        assert type(relayed) is PeerLostError and relayed.rank == 1, relayed
+        assert f"rank 2 reports: {raised}" in str(relayed), relayed
+        assert told == []
+    finally:
+        _close(transports, lives)
+
+
+def test_a_script_that_ended_with_its_own_error_tells_its_launcher(monkeypatch):
+    """No peer lost: the script's own error is this rank's failure, told to the launcher
+    at once and to the peers as the rank lost."""
+    transports, lives = _ranks(2)
+    told = []
+    monkeypatch.setattr("myelin.runtime.liveness.tell_launcher", told.append)
+    try:
+        monkeypatch.setattr("sys.last_value", ValueError("a bad batch"), raising=False)
+        lives[1]._close_at_exit()
+        error = _told(lives[0])
+        assert type(error) is PeerLostError and error.rank == 1, error
+        assert "it ended with an error: ValueError: a bad batch" in str(error), error
+        assert told == ["failed 1"]
+    finally:
+        _close(transports, lives)
+
+
 def test_news_of_what_a_rank_does_is_rate_limited_and_the_latest_arrives():
     """The loop says what it does a few times a step; beating on every change (and waking
     for every beat received) woke every rank's heartbeat and ZMQ threads ~10 times a 25 ms

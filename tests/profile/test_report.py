@@ -330,6 +330,14 @@ def test_save_load_and_the_picture(tmp_path):
     assert again.summary() == json.loads(paths["summary"].read_text())
 
 
+def test_a_directory_reused_by_fewer_ranks_holds_only_this_runs(tmp_path):
+    report_of(with_sends(gpipe(3, 4, steps=2))).save(tmp_path / "prof", plot=False)
+    report_of(with_sends(gpipe(2, 4, steps=2))).save(tmp_path / "prof", plot=False)
+    names = sorted(p.name for p in (tmp_path / "prof" / "ranks").iterdir())
+    assert names == ["rank0.json", "rank1.json"]
+    assert [r["rank"] for r in load(tmp_path / "prof").summary()["ranks"]] == [0, 1]
+
+
 def test_picture_for_sixteen_ranks(tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image

@@ -132,3 +132,27 @@ def test_a_resumed_daso_keeps_the_plan_it_was_saved_under(monkeypatch):
         again.plan(6, 3)  # fit(epochs=3) to finish: the schedule's plan is the first run's
         sched = again._sched()
         assert (sched.last_batch + 1, sched.total_epochs) == (6, 10), given
+
+
+def test_fit_epochs_count_in_dasos_own_epochs_when_it_sets_their_length(monkeypatch):
+    """DASO(epoch_steps=4) under fit(epochs=10) over a loader of 6 batches: 60 steps are 15
+    of DASO's epochs, so its cool-down comes at the end of the run, not after 40 steps."""
+    import types
+
+    import torch
+
+    import myelin
+    import myelin.replicas.daso as daso
+    from myelin.replicas import Context
+
+    monkeypatch.setattr(daso, "_make_groups", lambda world, g: (None, [None] * g))
+    layout = types.SimpleNamespace(data_parallel=2, stages=1)
+    world = types.SimpleNamespace(layout=layout, replica=0, dp_group=None, extra_groups=[])
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for given, want in (({"epoch_steps": 4}, (4, 15)), ({}, (6, 10)),
+                        ({"epoch_steps": 4, "total_epochs": 12}, (4, 12))):  # fmt: skip
+        spec = myelin.DASO(node_size=1, downcast="fp32", **given)
+        r = daso.DasoReplicas(spec, Context(world, params))
+        r.plan(6, 10)
+        sched = r._sched()
+        assert (sched.last_batch + 1, sched.total_epochs) == want, given

@@ -222,8 +222,11 @@ def test_a_fit_that_fails_keeps_what_was_trained_and_a_retry_continues(tmp_path)
         with pytest.raises(RuntimeError, match="a callback failed"):
             t.fit(data, epochs=3, callbacks=[_Fail()])
         assert t.steps_done >= 9 and not torch.equal(flat(t.state_dict()), w0)
-        assert t.replicas.state_dict()["epoch"] == 1
-        t.fit(data, epochs=2)
+        # the first row comes when its evaluation (a thread) is over: 1 or more epochs in
+        done = t.replicas.state_dict()["epoch"]
+        assert done >= 1 and t.steps_done >= 9 * done
+        if done < 3:
+            t.fit(data, epochs=3 - done)
         assert t.steps_done == 27
         assert torch.equal(flat(t.state_dict()), _sgd_epochs(ref, data, 3, 8, hog.seed))
     with pytest.raises(myelin.MyelinError, match="closed"):

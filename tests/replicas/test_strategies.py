@@ -9,15 +9,18 @@ import pytest
 import torch
 
 import myelin
+from myelin.checkpoint import _strategy_state
+from myelin.replicas import Strategy, own_state
 from myelin.replicas.daso import merge_stale
 from tests._procs import launch
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    """One 4-rank job for DASO, sync EASGD and AllReduce's overlap (about 30 s on 2 cores)."""
-    cases = ["daso", "easgd", "overlap"]
-    job = launch(4, "replicas.py", cases, tmp_path_factory.mktemp("four"), timeout=240)
+    """One 4-rank job for DASO, sync EASGD and AllReduce's overlap, checkpoints of another
+    strategy or layout, clipping per replica (about 25-40 s on 2 cores)."""
+    cases = ["daso", "easgd", "overlap", "foreign", "clip"]
+    job = launch(4, "replicas.py", cases, tmp_path_factory.mktemp("four"), timeout=360)
     assert job.returncode == 0, job.output[-4000:]
     assert sorted(job.results) == [0, 1, 2, 3]
     return job.results
@@ -56,6 +59,33 @@ def test_sync_settings_are_checked_before_any_work():
         myelin.AllReduce(overlap="no")
     assert isinstance(myelin.PipelineConfig(sync="daso").sync, myelin.DASO)
     assert isinstance(myelin.PipelineConfig().sync, myelin.AllReduce)
+
+
+def test_allreduce_bucket_mb_must_be_finite():
+    """An infinite bucket passed the check, then overflowed when the strategy was built."""
+    with pytest.raises(myelin.ConfigError, match=r"AllReduce\(bucket_mb=inf\) must be finite"):
+        myelin.AllReduce(bucket_mb=float("inf"))
+    with pytest.raises(myelin.ConfigError, match=r"AllReduce\(bucket_mb=nan\) must be > 0"):
+        myelin.AllReduce(bucket_mb=float("nan"))
+    myelin.AllReduce(bucket_mb=1e6)  # large and finite: fine
+
+
+def test_a_strategy_reads_only_its_own_checkpointed_state():
+    """State is tagged with its strategy's name; an untagged (older) one is recognised by
+    a key only its strategy saves; another strategy's is absent (DASO's into EASGD was a
+    bare KeyError 't')."""
+    easgd = {"strategy": "easgd", "local": torch.zeros(1), "t": 3, "exchanges": 1}
+    daso = {"strategy": "daso", "schedule": None, "pending": {}, "local": torch.zeros(1)}
+    assert own_state(easgd, "easgd", "t") is easgd and own_state(daso, "easgd", "t") is None
+    assert own_state(daso, "daso", "schedule") is daso
+    assert own_state(easgd, "daso", "schedule") is None
+    old_daso = {k: v for k, v in daso.items() if k != "strategy"}
+    assert own_state(old_daso, "easgd", "t") is None
+    assert own_state(old_daso, "daso", "schedule") is old_daso
+    assert own_state({}, "easgd", "t") is None
+    hogbatch = Strategy()  # its state is untagged; another's tagged state never reaches it
+    assert _strategy_state(hogbatch, easgd) == {}
+    assert _strategy_state(hogbatch, {"controller": {}}) == {"controller": {}}
 
 
 @pytest.mark.parametrize(
@@ -235,10 +265,12 @@ def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    """One worker: sync, async and hogwild EASGD, async under CURVE (about 35 s: 3 hubs)."""
-    job = launch(1, "replicas.py", ["one"], tmp_path_factory.mktemp("one"), timeout=240)
+    """One worker: sync, async and hogwild EASGD, async under CURVE, async resumed from an
+    AllReduce checkpoint (about 20-40 s: 4 hubs)."""
+    cases = ["one", "foreign_async"]
+    job = launch(1, "replicas.py", cases, tmp_path_factory.mktemp("one"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
-    return job.results[0]["one"]
+    return {**job.results[0]["one"], "foreign_async": job.results[0]["foreign_async"]}
 
 
 def test_easgd_one_worker_async_and_hogwild_equal_sync(one):
@@ -295,3 +327,45 @@ def test_an_easgd_checkpoint_of_a_model_with_layers_resumes_exactly(tmp_path, mo
         t.save(tmp_path)
     with trainer(resume=tmp_path) as t:
         assert [t.step(b[:, :-1], b[:, 1:]) for b in x[3:]] == full[3:]
+
+
+def test_a_checkpoint_without_the_strategys_state_resumes_as_its_model(four):
+    """An AllReduce checkpoint resumed under sync EASGD and DASO, DASO's under EASGD and
+    EASGD's under DASO, EASGD's in another layout: the model (state_dict(), evaluation,
+    EASGD's center, DASO's synchronised weights) is the checkpoint's, not the weights the
+    trainer was built with, and so is what the next checkpoint holds."""
+    for r in four.values():
+        f = r["foreign"]
+        assert not f["trained_is_init"]
+        for name in ("easgd", "daso", "daso_to_easgd", "easgd_to_daso", "layout"):
+            assert f[f"{name}_model_is_checkpoint"], name
+        # the next checkpoint holds the model as it was at its save, not the initial weights
+        assert f["easgd_next_checkpoint"] == [True, False]
+        assert f["daso_next_checkpoint"] == [True, False]
+        assert f["layout_moved"]
+
+
+def test_daso_without_an_epoch_length_refuses_step_before_any_work(four):
+    for r in four.values():
+        d = r["foreign"]["daso_no_epoch_length"]
+        assert "DASO needs the epoch length" in d["error"]
+        assert d["steps_before"] == 0 and d["steps_after"] == 2  # still usable: fit trains
+
+
+def test_max_grad_norm_clips_each_replica_by_its_own_norm(four):
+    """EASGD(alpha=0) is each replica's own clip_grad_norm_ + SGD, bit for bit, and its clip
+    adds no collective (one all-reduce a step: the exchange); with two stages the norm
+    spans the replica's pipeline; DASO's warm-up clips each node's mean gradient by its
+    norm, then averages the nodes (replica 0's norm for all was the old behaviour)."""
+    for r in four.values():
+        c = r["clip"]
+        assert c["easgd_own"]
+        assert c["easgd_all_reduces"] == [3, 3]
+        assert c["pipeline_own_diff"] < 1e-6
+        assert c["daso_diff"] < 1e-6
+
+
+def test_async_easgd_resumed_from_allreduce_takes_the_checkpoint_as_center(one):
+    f = one["foreign_async"]
+    assert f["center_is_checkpoint"] and f["state_dict_is_checkpoint"]
+    assert not f["center_is_init"]

@@ -1,8 +1,10 @@
-"""Ranks that part ways: one dies or leaves while the other is somewhere in particular.
+"""Ranks that part ways: one dies or leaves while the others are somewhere in particular.
 
-Run by tests/faults/test_parting.py as `myelin run -n 2 parting.py --out DIR MODE [--die HOW]`.
+Run by tests/faults/test_parting.py as
+`myelin run -n N parting.py --out DIR MODE [--die HOW] [--end-with-error]`.
 
-Places (rank 1, the victim, dies after 3 steps, 1 s after rank 0 entered the place):
+Places (the last rank, the victim, dies after 3 steps, 1 s after the others entered the
+place; one stage per rank):
   close       rank 0 is inside trainer.close(), gathering the profile
   gather      rank 0 is inside trainer.profile_report()
   checkpoint  rank 0 is inside trainer.save()
@@ -10,7 +12,10 @@ Places (rank 1, the victim, dies after 3 steps, 1 s after rank 0 entered the pla
   user        rank 0 is in its own code between steps (a sleep)
 HOW is `kill` (SIGKILL) or `raise` (an exception in the victim's own code after its last
 step, its trainer left to close at exit). The victim writes the time it died to
-victim.json.
+victim.json. With --end-with-error the survivors' errors end their scripts (after their
+records are written), as most scripts' do; at exit, after the trainer's exit handlers,
+each sends itself SIGTERM, as a launcher stopping the job does, and writes exit{r}.json
+if it lived through it.
 
 Uneven runs (rank 1 closes its trainer; it writes the time to victim.json):
   uneven-steps  rank 0 calls trainer.step 3 times, rank 1 twice
@@ -27,6 +32,7 @@ counters of its trainer.
 """
 
 import argparse
+import atexit
 import functools
 import json
 import os
@@ -43,7 +49,7 @@ import myelin
 PLACES = ["close", "gather", "checkpoint", "barrier", "user"]
 UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit"]
 RESUME = ["bad-resume"]
-VICTIM = 1
+VICTIM = int(os.environ.get("WORLD_SIZE", 2)) - 1
 
 
 def write(out, name, record):
@@ -54,7 +60,7 @@ def write(out, name, record):
 def build(out, **kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
-    settings = dict(stages=2, microbatches=4, timeout=30, run_dir=out, profile=True)
+    settings = dict(stages=VICTIM + 1, microbatches=4, timeout=30, run_dir=out, profile=True)
     settings.update(kw)
     return myelin.Trainer(
         model,
@@ -165,9 +171,13 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("mode", choices=PLACES + UNEVEN + RESUME)
     parser.add_argument("--die", choices=["kill", "raise"], default="kill")
+    parser.add_argument("--end-with-error", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
+    if args.end_with_error and rank != VICTIM:  # registered first, so it runs last
+        atexit.register(sigterm_at_exit, args.out, rank)
     record = {"error_type": None, "error": None}
+    failure = None
     try:
         if args.mode in PLACES:
             place(args, rank, record)
@@ -186,9 +196,19 @@ def main():
             lost=getattr(exc, "rank", None),
             notes=getattr(exc, "__notes__", []),
         )
+        failure = exc
     record["time"] = time.time()
     write(args.out, f"rank{rank}.json", record)
+    if args.end_with_error and failure is not None:
+        raise failure
     sys.exit(3 if record["error_type"] else 0)
+
+
+def sigterm_at_exit(out, rank):
+    """A launcher's SIGTERM that finds the rank exiting must not break off its exit."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)  # a handler runs at the next bytecode; a default one kills at once
+    write(out, f"exit{rank}.json", {"lived": True})
 
 
 if __name__ == "__main__":

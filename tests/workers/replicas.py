@@ -3,7 +3,8 @@
 Run by tests/replicas/test_strategies.py as `myelin run -n 4 replicas.py --out DIR CASE...`
 with CASE one of: daso (4 replicas as 2 nodes of 2), easgd (4 replicas, sync mode),
 async (one replica: async and hogwild EASGD against sync, through the hub), overlap
-(AllReduce's buckets during the last backward against after it).
+(AllReduce's buckets during the last backward against after it), or a case of
+replicas_cases.py (foreign, foreign_async, clip).
 """
 
 import argparse
@@ -46,7 +47,15 @@ def digest(t):
 
 
 def trainer(
-    sync, lr=0.05, dp=None, momentum=0.0, stages=1, resume=None, profile=None, transport=None
+    sync,
+    lr=0.05,
+    dp=None,
+    momentum=0.0,
+    stages=1,
+    resume=None,
+    profile=None,
+    transport=None,
+    max_grad_norm=None,
 ):
     dp = dp or int(os.environ.get("WORLD_SIZE", "1")) // stages
     opt = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
@@ -62,6 +71,7 @@ def trainer(
         resume=resume,
         profile=profile,
         transport=transport,
+        max_grad_norm=max_grad_norm,
     )
 
 
@@ -466,7 +476,12 @@ def main():
     OUT = args.out
     out = {}
     for case in args.cases:
-        out[case] = globals()[f"case_{case}"]()
+        run = globals().get(f"case_{case}")
+        if run is None:  # replicas_cases.py's, which take the output folder
+            import replicas_cases
+
+            run = functools.partial(getattr(replicas_cases, f"case_{case}"), args.out)
+        out[case] = run()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -1,0 +1,195 @@
+"""More cases of replicas.py (run through its main, in the same launches): checkpoints of
+another strategy or layout resumed under EASGD and DASO, DASO's epoch length asked before
+any work, and max_grad_norm under strategies whose replicas apply their own gradients.
+
+Each case takes the job's output folder and returns what the tests check.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from replicas import batch, build, flat, trainer
+
+import myelin
+
+
+def model_of(t):
+    """The model as `t` says it is (state_dict(), which rank 0 gathers), on every rank."""
+    sd = t.state_dict()
+    size = flat(build()).numel()
+    v = torch.cat([x.reshape(-1) for x in sd.values()]) if sd is not None else torch.empty(size)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(v, 0)
+    return v
+
+
+def saved_model(ckpt):
+    """The model a checkpoint holds, as a plain AllReduce trainer resumed from it sees it."""
+    t = trainer("allreduce", resume=ckpt)
+    v = model_of(t)
+    t.close()
+    return v
+
+
+def steps(t, first, count):
+    for s in range(first, first + count):
+        t.step(*batch(t.replica, s))
+
+
+def case_foreign(out):
+    """4 ranks: an AllReduce checkpoint resumed under sync EASGD and DASO, a DASO one under
+    EASGD and back, an EASGD one in another layout (stages=2 x data_parallel=2): the model
+    is the checkpoint's, and the next checkpoint holds the trained weights, not the initial
+    ones. Then DASO without an epoch length refuses step() before any work."""
+    res, init = {}, flat(build())
+    ck = {k: os.path.join(os.path.dirname(out), f"foreign-{k}") for k in ("ar", "ea", "da")}
+    t = trainer("allreduce")
+    steps(t, 0, 3)
+    trained = flat(t.module)
+    t.save(ck["ar"])
+    t.close()
+    res["trained_is_init"] = torch.equal(trained, init)
+    for name, spec in (
+        ("easgd", myelin.EASGD(tau=2, alpha=0.1)),
+        ("daso", myelin.DASO(node_size=2, epoch_steps=4, warmup_epochs=0)),
+    ):
+        t = trainer(spec, resume=ck["ar"])
+        res[f"{name}_model_is_checkpoint"] = torch.equal(model_of(t), trained)
+        steps(t, 3, 2)
+        model = model_of(t)
+        t.save(ck[name[:2]])
+        t.close()
+        again = saved_model(ck[name[:2]])
+        res[f"{name}_next_checkpoint"] = [torch.equal(again, model), torch.equal(again, init)]
+    # one strategy's state resumed under the other: each reads only its own
+    center = saved_model(ck["ea"])
+    for name, spec, source in (
+        ("daso_to_easgd", myelin.EASGD(tau=2, alpha=0.1), "da"),
+        ("easgd_to_daso", myelin.DASO(node_size=2, epoch_steps=4, warmup_epochs=0), "ea"),
+    ):
+        t = trainer(spec, resume=ck[source])
+        res[f"{name}_model_is_checkpoint"] = torch.equal(model_of(t), saved_model(ck[source]))
+        steps(t, 5, 2)
+        t.close()
+    # another layout: the center is the checkpoint's model
+    t = trainer(myelin.EASGD(tau=2, alpha=0.1), stages=2, resume=ck["ea"])
+    res["layout_model_is_checkpoint"] = torch.equal(model_of(t), center)
+    steps(t, 5, 3)  # the exchange of the third moves the center
+    res["layout_moved"] = not torch.equal(model_of(t), center)
+    t.close()
+    res["daso_no_epoch_length"] = daso_without_epoch_length()
+    return res
+
+
+def daso_without_epoch_length():
+    """step() under DASO with no epoch length: the ConfigError before any work, and the
+    trainer still trains (fit gives the length)."""
+    t = trainer(myelin.DASO(node_size=2))
+    try:
+        t.step(*batch(t.replica, 0))
+        error = None
+    except myelin.ConfigError as exc:
+        error = str(exc)
+    before = t.steps_done
+    t.fit([batch(t.replica, s) for s in range(2)], epochs=1, progress=False)
+    out = {"error": error, "steps_before": before, "steps_after": t.steps_done}
+    t.close()
+    return out
+
+
+def case_foreign_async(out):
+    """One replica: an AllReduce checkpoint (no strategy state) resumed under async EASGD
+    puts its weights in the hub as the center."""
+    ckpt = os.path.join(os.path.dirname(out), "foreign-async")
+    t = trainer("allreduce", dp=1)
+    steps(t, 0, 3)
+    trained = flat(t.module)
+    t.save(ckpt)
+    t.close()
+    t = trainer(myelin.EASGD(tau=2, alpha=0.3, mode="async"), dp=1, resume=ckpt)
+    res = {"center_is_checkpoint": torch.equal(t.replicas.current_center(), trained)}
+    res["state_dict_is_checkpoint"] = torch.equal(model_of(t), trained)
+    steps(t, 3, 2)
+    res["center_is_init"] = torch.equal(t.replicas.current_center(), flat(build()))
+    t.close()
+    return res
+
+
+def clipped_sgd(model, grads, max_norm, lr):
+    """One SGD step by `grads` clipped to `max_norm`, as clip_grad_norm_ and then
+    torch.optim.SGD compute it in one process."""
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.add_(g * coef, alpha=-lr)
+
+
+def grads_of(model, replica, step):
+    model.zero_grad()
+    x, y = batch(replica, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def case_clip(out):
+    """4 ranks, max_grad_norm=0.05: EASGD(alpha=0) is each replica's own clipped SGD (one
+    stage: no collective for the clip; two stages: the norm over the replica's pipeline),
+    and DASO's warm-up clips each node's averaged gradient by its own norm."""
+    res, rank = {}, int(os.environ["RANK"])
+    t = trainer(myelin.EASGD(tau=1, alpha=0.0), max_grad_norm=0.05)
+    ref = build()
+    calls, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), all_reduce(*a, **k))[1]
+    try:
+        for s in range(3):
+            t.step(*batch(t.replica, s))
+            clipped_sgd(ref, grads_of(ref, t.replica, s), 0.05, 0.05)
+    finally:
+        dist.all_reduce = all_reduce
+    res["easgd_own"] = torch.equal(flat(t.module), flat(ref))
+    res["easgd_all_reduces"] = [len(calls), t.replicas.exchanges]
+    t.close()
+    t = trainer(myelin.EASGD(tau=1, alpha=0.0), stages=2, max_grad_norm=0.05)
+    ref = build()
+    for s in range(3):
+        t.step(*batch(t.replica, s))
+        clipped_sgd(ref, grads_of(ref, t.replica, s), 0.05, 0.05)
+    first = rank - rank % 2  # rank r holds stage r % 2 of replica r // 2
+    mine = torch.cat(gather_list(flat(t.module))[first : first + 2])  # this replica's stages
+    res["pipeline_own_diff"] = float((mine - flat(ref)).abs().max())
+    t.close()
+    spec = myelin.DASO(node_size=2, epoch_steps=100, warmup_epochs=1, downcast="fp32")
+    t = trainer(spec, max_grad_norm=0.05)
+    ref = build()
+    for s in range(3):
+        t.step(*batch(t.replica, s))
+        daso_warmup_reference(ref, s)
+    res["daso_diff"] = float((flat(t.module) - flat(ref)).abs().max())
+    t.close()
+    return res
+
+
+def gather_list(v):
+    """Every rank's vector (of any length), by rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, v)
+    return out
+
+
+def daso_warmup_reference(model, step, nodes=2, size=2, max_norm=0.05, lr=0.05):
+    """A DASO warm-up step in one process: each node's mean gradient clipped by its own
+    norm and stepped, then the nodes' parameters averaged."""
+    start = [p.detach().clone() for p in model.parameters()]
+    ends = []
+    for n in range(nodes):
+        each = [grads_of(model, r, step) for r in range(n * size, (n + 1) * size)]
+        mean = [sum(g) / size for g in zip(*each, strict=True)]
+        node = build()
+        with torch.no_grad():
+            for p, v in zip(node.parameters(), start, strict=True):
+                p.copy_(v)
+        clipped_sgd(node, mean, max_norm, lr)
+        ends.append(flat(node))
+    torch.nn.utils.vector_to_parameters(sum(ends) / nodes, model.parameters())
