@@ -182,6 +182,7 @@ def test_one_stage_trains_in_this_process(tmp_path, monkeypatch, capsys):
     assert "sample (" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 10 s; `myelin train` runs the same way in the default suite
 def test_the_example_runs_as_its_first_line_says_and_learns(tmp_path):
     cmd = [sys.executable, "-m", "myelin.cli", "run", "-n", "2", str(EXAMPLE), "--steps", "10"]
     code, out, err = run(cmd, tmp_path)

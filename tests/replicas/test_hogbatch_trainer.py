@@ -233,18 +233,9 @@ def test_a_fit_that_fails_keeps_what_was_trained_and_a_retry_continues(tmp_path)
         t.fit(data, epochs=1)  # closed: nothing starts
 
 
-def test_eval_first_gives_the_loss_before_training():
-    model, data, _ = problem(n=64)
-    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(32, 32), adaptive=False, timeout_s=100)
-    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog) as t:
-        before = t.evaluate([data])
-        rows = t.fit(data, epochs=1, eval_first=True)
-    assert rows[0] == {"step": 0, "loss": pytest.approx(before, rel=1e-6)}
-    assert rows[1]["epoch"] == 0 and rows[1]["loss"] < before
-
-
 def test_a_sparse_embedding_trains_as_sgd_does():
-    """torch.optim.SGD takes an Embedding(sparse=True)'s gradients; so do the workers."""
+    """torch.optim.SGD takes an Embedding(sparse=True)'s gradients; so do the workers. And
+    eval_first's row is the loss before training."""
     torch.manual_seed(0)
     x, y = torch.randint(0, 50, (64, 3)), torch.randn(64)
     net = torch.nn.Sequential(torch.nn.Embedding(50, 4, sparse=True), torch.nn.Flatten(1),
@@ -254,8 +245,11 @@ def test_a_sparse_embedding_trains_as_sgd_does():
                           timeout_s=100)  # fmt: skip
     opt = functools.partial(torch.optim.SGD, lr=0.1)
     with myelin.Trainer(net, opt, torch.nn.MSELoss(), sync=hog) as t:
-        t.fit((x, y), epochs=1)
+        before = t.evaluate([(x, y)])
+        rows = t.fit((x, y), epochs=1, eval_first=True)  # a row of the loss before training
         got = flat(t.state_dict())
+    assert rows[0] == {"step": 0, "loss": pytest.approx(before, rel=1e-6)}
+    assert rows[1]["epoch"] == 0 and rows[1]["step"] == 4
     sgd = opt(ref.parameters())
     order = Dispatcher(64, 1, hog.seed).permutation(0)
     for start in range(0, 64, 16):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests._procs import launch
 
 
@@ -31,6 +33,7 @@ def test_failing_rank_aborts_its_peers_quickly(tmp_path):
     assert peer["elapsed"] < 15  # told at once, not after the 60 s timeout
 
 
+@pytest.mark.slow  # 8 s; the same ConfigError in one process: test_trainer.py
 def test_batch_that_does_not_split_fails_on_every_rank_before_work(tmp_path):
     job = launch(2, "failures.py", ["badbatch"], tmp_path, timeout=90)
     for rank in (0, 1):
@@ -39,6 +42,7 @@ def test_batch_that_does_not_split_fails_on_every_rank_before_work(tmp_path):
         assert "batch of 3 rows cannot be split into microbatches=4" in err["error"]
 
 
+@pytest.mark.slow  # 5 s; the same check in one process: test_config_errors.py
 def test_world_size_that_is_not_stages_times_replicas(tmp_path):
     job = launch(2, "failures.py", ["worldsize"], tmp_path, timeout=90)
     for rank in (0, 1):
