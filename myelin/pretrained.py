@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from myelin import reshard
 from myelin.checkpoint import CheckpointError
 from myelin.errors import ConfigError
 from myelin.runtime.group import World
@@ -140,8 +141,11 @@ def save(
     layout: list[list[tuple]],
     path: str | os.PathLike,
     extras: Iterable[Any] = (),
+    updater: Any = None,
 ) -> Path:
-    """Write the model as a save_pretrained folder; every rank must call it.
+    """Write the model as a save_pretrained folder; every rank must call it. With the
+    stage's `updater`, a parameter's fp32 master is written where one exists (half
+    precision, optimizer offload), in the dtype the model had when it was given.
 
     `layout` is `checkpoint.state_layout`'s: per stage, (local key, model keys, shape,
     dtype). Replica 0's ranks each write their stage's file; then rank 0 writes the index
@@ -154,10 +158,10 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     files = _file_names([[e for e in entries if e[1]] for entries in layout])
     if world.replica == 0 and files[world.stage] is not None:
-        state = module.state_dict()
+        state = reshard.export(module, updater)  # the true weights: masters in place
         tensors = {
-            names[0]: state[local].detach().to("cpu").contiguous()
-            for local, names, _, _ in layout[world.stage]
+            names[0]: state[local].detach().to("cpu", dtype).contiguous()
+            for local, names, _, dtype in layout[world.stage]
             if names
         }
         tmp = folder / f".{files[world.stage]}.tmp-{os.getpid()}"

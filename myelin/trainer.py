@@ -419,7 +419,9 @@ class Trainer:
         self._check_usable()
         pretrained.require_safetensors("save_pretrained")
         with self._failures.collective("save_pretrained()"):
-            pretrained.save(self.world, self.module, self._state_layout, path, self._configs)
+            pretrained.save(
+                self.world, self.module, self._state_layout, path, self._configs, self.updater
+            )
 
     def save(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
         """Checkpoint every rank's stage, optimizer, RNG and step; all ranks must call it.

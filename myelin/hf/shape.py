@@ -52,6 +52,23 @@ class Found:
     everywhere: dict[str, nn.Module]  # stateless modules along the path: every stage runs them
 
 
+def _check_causal(model: nn.Module, name: str) -> None:
+    """Only a causal LM: a masked LM (or another head) brings a loss myelin would count as a
+    causal one, and an encoder run without is_decoder=True attends to later tokens."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in (None, "ForCausalLM"):
+        raise PartitionError(
+            f"{name} is not a causal LM (its HuggingFace loss is {loss_type}); myelin "
+            f"pipelines decoder-only causal LMs (*ForCausalLM) by themselves; {BY_HAND}"
+        )
+    is_decoder = getattr(getattr(model, "config", None), "is_decoder", None)
+    if is_decoder is False and loss_type != "ForCausalLM":  # (GPT-NeoX's says False)
+        raise PartitionError(
+            f"{name} has is_decoder=False: an encoder's attention sees later tokens, so it "
+            f"is no causal LM; build it with is_decoder=True, or {BY_HAND}"
+        )
+
+
 def find(model: nn.Module) -> Found:
     """The blocks of a decoder-only HF model and what comes before and after them, or a
     PartitionError that says what was not found and how to pass layers by hand."""
@@ -63,6 +80,7 @@ def find(model: nn.Module) -> Found:
         )
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         raise PartitionError(f"{name} has output_router_logits=True; {AUX_LOSS}")
+    _check_causal(model, name)
     keep_whole = set(getattr(model, "_no_split_modules", None) or ())
     if not keep_whole:
         raise PartitionError(

@@ -31,7 +31,8 @@ from myelin.offload.budget import DeviceBudget
 from myelin.offload.factory import build_optimizer
 from myelin.offload.gradients import Gradients
 from myelin.offload.pool import HostPool
-from myelin.offload.streaming import Streamer, is_paged, nbytes, to_pool
+from myelin.offload.state_homes import StateHomes
+from myelin.offload.streaming import Streamer, is_paged, nbytes
 from myelin.precision import LossScaler
 
 __all__ = ["Updater"]
@@ -93,11 +94,13 @@ class Updater:
         self._armed = False
         self._handles: list[Any] = []  # the stream hooks on the parameters (host mode)
         self._stepping: list[int] = []  # the bucket whose masters hold gradients now
+        self._homes = StateHomes(pool) if pool is not None else None
         if mode == "host" and not self._in_place:
             self._host_grads = [self._pool_empty(m, "gradients") for m in self.masters]
             self._install_stream_hooks()
         if mode == "stream":
-            self._streamer = Streamer(self.optimizer, params, self.masters, pool, self._stream)
+            args = (self.optimizer, params, self.masters, pool, self._stream, self._homes)
+            self._streamer = Streamer(*args)
         if mode != "device":  # state some optimizers create eagerly (Adagrad's sum)
             self._adopt_state(list(range(len(self.masters))))
         self._accounted_states = -1
@@ -162,6 +165,8 @@ class Updater:
         if (self.mode == "device" or self._in_place) and not self.half:
             if self.clip is not None:
                 self.clip.clip([p.grad for p in self.params])
+            if self._in_place:
+                self._reserve_state([p.grad for p in self.params])
             self.optimizer.step()
             if self._in_place:
                 self._adopt_state(list(range(len(self.masters))))
@@ -194,6 +199,7 @@ class Updater:
                 for p, m in zip(self.params, self.masters, strict=True):
                     p.copy_(m)
             return True
+        self._reserve_state(self._step_grads())
         if self.mode == "host":
             for b in range(len(self._buckets)):
                 self._host_bucket(b)
@@ -202,6 +208,14 @@ class Updater:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return True
+
+    def _reserve_state(self, grads: list[torch.Tensor | None]) -> None:
+        """Room in the pool for the state this step creates (Adam's, on the first step),
+        taken before anything is updated: a full pool raises HostMemoryError having
+        changed no weight, master or state, not after some buckets were stepped."""
+        assert self._homes is not None
+        device = self.device if self.mode == "stream" else torch.device("cpu")  # the pool's
+        self._homes.reserve(self.optimizer, self.masters, grads, device)
 
     def _copy_grads(self, b: int) -> None:
         """Gradients of bucket `b` into their host buffers, as fp32."""
@@ -288,6 +302,8 @@ class Updater:
 
     def zero_grad(self) -> None:
         self._stepping = []
+        if self._homes is not None:  # homes the step did not fill
+            self._homes.release()
         self.grads.clear()
         if self.masters is not self.params:
             for m in self.masters:
@@ -302,7 +318,7 @@ class Updater:
             state = self.optimizer.state.get(self.masters[i], {})
             for key, t in list(state.items()):
                 if is_paged(t) and not self.pool.owns(t):
-                    state[key] = to_pool(self.pool, t)
+                    state[key] = self._homes.take(i, key, t)
 
     def host_bytes(self) -> int:
         """Bytes of masters, gradients and state this updater keeps in the host pool."""
@@ -316,15 +332,15 @@ class Updater:
         return total
 
     def device_bytes(self) -> int:
-        """Bytes of optimizer state (and masters) resident on the device between steps,
-        or staged there during a streamed step."""
+        """Bytes of optimizer state (and masters) resident on the device between steps, or
+        at most staged there during a streamed step (none of it stays after the step)."""
         if self.mode == "stream":
             return self._streamer.staging_peak
         if self.mode == "host":
             return 0
         total = 0
-        if self.half:
-            total += sum(2 * nbytes(m) for m in self.masters)  # masters and their fp32 grads
+        if self.half:  # the masters (their fp32 gradients are "gradients", during the step)
+            total += sum(nbytes(m) for m in self.masters)
         for state in self.optimizer.state.values():
             total += sum(nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
         return total
@@ -340,6 +356,8 @@ class Updater:
             self._accounted_states = states
             self._device_bytes = self.device_bytes()
         self.budget.set("optimizer", self._device_bytes, "the optimizer step")
+        if self.mode == "stream":  # staged during the step only: counted at its peak, then freed
+            self.budget.set("optimizer", 0, "the optimizer step")
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from myelin.offload.pool import HostPool
 
-__all__ = ["Streamer", "is_paged", "nbytes", "to_pool"]
+if TYPE_CHECKING:
+    from myelin.offload.state_homes import StateHomes
+
+__all__ = ["Streamer", "is_paged", "nbytes"]
 
 
 def is_paged(t: Any) -> bool:
@@ -29,13 +32,6 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def to_pool(pool: HostPool, t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` in the host pool, as optimizer state."""
-    home = pool.empty(t.shape, t.dtype, what="optimizer state", lasting=True)
-    home.copy_(t)
-    return home
-
-
 class Streamer:
     """Steps `optimizer` over host-resident `masters` on `device`, one bucket at a time."""
 
@@ -46,12 +42,14 @@ class Streamer:
         masters: list[torch.Tensor],
         pool: HostPool,
         stream: Any,
+        homes: StateHomes,
     ) -> None:
         self.optimizer = optimizer
         self.params = params
         self.masters = masters
         self.pool = pool
         self.stream = stream  # the side stream on a GPU, else None
+        self.homes = homes  # pool room reserved for state the step creates
         self.device = params[0].device
         self.staging_peak = 0  # device bytes of two buckets' masters and state at once
 
@@ -112,8 +110,8 @@ class Streamer:
                         if side is not None:
                             t.record_stream(side)
                         state[key] = home_state[key]
-                    else:  # created by this (first) step: its home is new
-                        state[key] = to_pool(self.pool, t)
+                    else:  # created by this (first) step: its home was reserved
+                        state[key] = self.homes.take(i, key, t)
 
     def _stage_in(self, bucket: list[int]) -> dict[Any, Any]:
         """Copies of a bucket's masters and state on the device (on a GPU, on the side

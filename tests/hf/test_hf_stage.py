@@ -116,6 +116,17 @@ def test_an_encoder_decoder_model_is_refused_with_what_to_do():
         myelin.split(model, 2)
 
 
+def test_a_masked_lm_and_an_encoder_without_is_decoder_are_refused():
+    """Their loss is not a causal one, or their attention sees later tokens: myelin would
+    count the loss over the wrong tokens (BertForMaskedLM trained at twice HF's loss)."""
+    kw = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+              intermediate_size=32)  # fmt: skip
+    with pytest.raises(PartitionError, match="not a causal LM .*ForMaskedLM"):
+        myelin.split(tf.BertForMaskedLM(tf.BertConfig(**kw)), 2)
+    with pytest.raises(PartitionError, match="is_decoder=False"):
+        myelin.split(tf.BertLMHeadModel(tf.BertConfig(**kw)), 2)
+
+
 def test_a_model_without_block_classes_or_head_is_refused_naming_what_is_missing():
     base = tf.LlamaModel(fam.config("llama"))  # no LM head
     with pytest.raises(PartitionError, match=r"no LM head.*get_output_embeddings.*by hand"):

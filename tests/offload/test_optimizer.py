@@ -368,6 +368,29 @@ def test_host_and_device_bytes_by_mode():
     assert device.host_bytes() == 0
     assert device.device_bytes() >= 8 * n
 
+    model = net("bf16")
+    device = make_updater(model, "device", "bf16")
+    train_step(model, device, batches(1, 1)[0])
+    # between steps: the fp32 masters and AdamW's two moments; the masters' fp32 gradients
+    # are counted as "gradients", during the step only
+    state = sum(t.numel() * t.element_size() for s in device.optimizer.state.values()
+                for t in s.values())  # fmt: skip
+    assert device.device_bytes() == 4 * n + state and 8 * n <= state < 9 * n
+
+
+def test_a_streamed_steps_staging_is_counted_at_its_peak_and_not_after():
+    n = sum(p.numel() for p in net().parameters())
+    params = 4 * n
+    model = net()
+    budget = DeviceBudget(CPU, None)
+    budget.set("parameters", params, "placing the parameters")
+    updater = make_updater(model, "stream", budget=budget)
+    for step, b in enumerate(batches(3, 1)):
+        train_step(model, updater, b, step)
+        assert budget.resident["optimizer"] == 0  # nothing of the step stays on the device
+    staged = updater.device_bytes()
+    assert 0 < staged and budget.peak_bytes >= params + staged
+
 
 def test_device_limit_raises_for_device_state_but_not_for_host_state():
     n = sum(p.numel() for p in net().parameters())
