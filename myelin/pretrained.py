@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,21 +86,33 @@ def full_names(model: Any, module: nn.Module) -> dict[str, list[str]]:
     return {key: whole.get(id(t), [key]) for key, t in module.state_dict(keep_vars=True).items()}
 
 
-def load(module: nn.Module, names: dict[str, list[str]], path: str | os.PathLike) -> list[str]:
+def load(
+    module: nn.Module,
+    names: dict[str, list[str]],
+    path: str | os.PathLike,
+    rename: Callable[[str], str] | None = None,
+) -> list[str]:
     """Copy this stage's tensors from the folder into `module`; returns the files opened.
 
     Every tensor of the stage must be in the folder with its shape; what is missing or
-    misshapen is named in one CheckpointError.
+    misshapen is named in one CheckpointError. `rename`: a folder key -> the model's, for
+    folders whose names differ from the model's (hf/keys.py).
     """
     from safetensors import safe_open
 
     folder = check_folder(path)
     index = _index(folder)
+    renamed = {}  # the model's key -> the folder's, where the folder's is renamed on load
+    for saved in index if rename is not None else ():
+        key = rename(saved)
+        if key != saved and key not in index:
+            renamed[key] = saved
     mine = module.state_dict(keep_vars=True)
     plan: dict[str, list[tuple[str, str]]] = {}
     missing = []
     for local, keys in names.items():
         key = next((k for k in keys if k in index), None)
+        key = key or next((renamed[k] for k in keys if k in renamed), None)
         if key is None:
             missing.append(f"{keys[0]} {tuple(mine[local].shape)}")
         else:

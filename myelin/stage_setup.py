@@ -12,6 +12,7 @@ from torch import nn
 
 from myelin import checkpoint, compiled, pretrained
 from myelin.config import PipelineConfig
+from myelin.hf.keys import saved_renames
 from myelin.placement import Tied, parameter_names, place_stage, stage_modules
 from myelin.precision import compute_dtype
 from myelin.reshard import stage_keys
@@ -53,7 +54,7 @@ def prepare_stage(
     full = pretrained.full_names(model, stages[world.stage]) if weights else None
     module, tied = place_stage(model, cfg, world)
     if full is not None:
-        pretrained.load(module, full, weights)
+        pretrained.load(module, full, weights, saved_renames(model))
     if compile_layer is not None:
         compiled.compile_stage(module, compile_layer)
     dtype = compute_dtype(precision)

@@ -2,6 +2,7 @@
 trained on HF's own loss. Nothing here imports transformers: a model is HuggingFace's when
 transformers is loaded and its `PreTrainedModel` says so."""
 
+from myelin.hf.keys import saved_renames
 from myelin.hf.loss import CausalLMLoss, labelled, own_loss
 from myelin.hf.shape import BY_HAND, Found, find, is_hf_model
 from myelin.hf.stage import INPUTS, Ends, HFStage, layers_of
@@ -18,4 +19,5 @@ __all__ = [
     "labelled",
     "layers_of",
     "own_loss",
+    "saved_renames",
 ]

@@ -126,6 +126,24 @@ def test_a_meta_model_starts_from_a_sharded_folder(tmp_path):
     assert fam.max_diff(state, reference.state_dict()) == 0.0
 
 
+def test_a_folder_whose_names_transformers_renames_on_load_is_read_as_from_pretrained_reads_it(
+    tmp_path,
+):
+    """GPT-NeoX's folders hold its head as `embed_out` (as Pythia's do): `weights=` follows
+    transformers' renaming, as from_pretrained does."""
+    fam.build("gpt_neox").save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "embed_out.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    with myelin.init_empty():
+        model = tf.AutoModelForCausalLM.from_config(fam.config("gpt_neox"))
+    losses, state = _train(model, weights=tmp_path)
+    reference = tf.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert losses == fam.train_plain(reference)
+    assert fam.max_diff(state, reference.state_dict()) == 0.0
+
+
 def test_a_folder_that_does_not_match_is_named(tmp_path):
     with pytest.raises(myelin.ConfigError, match="neither model.safetensors nor"):
         myelin.Trainer(fam.build("llama"), ADAMW, weights=tmp_path)
