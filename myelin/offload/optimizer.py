@@ -387,6 +387,8 @@ class Updater:
             if isinstance(t, torch.Tensor) and self.pool is not None and self.pool.owns(t)
         ]
         self.optimizer.load_state_dict(state["optimizer"])  # raises before anything is freed
+        if self._homes is not None:
+            self._homes.forget()
         for t in old:  # the loaded state replaces what the pool held
             self.pool.free(t)
         masters = state.get("masters")

@@ -36,6 +36,9 @@ class StateHomes:
         self.pool = pool
         self._homes: dict[tuple[int, str], torch.Tensor] = {}  # (master, key) -> home
         self._layouts: dict[tuple[Any, ...], Layout] = {}  # kind of parameter -> its state
+        # masters whose state exists or whose kind makes none: not looked at again, so a
+        # step after the first walks no state (200 parameters: 0.4 ms a step otherwise)
+        self._settled: set[int] = set()
 
     def reserve(
         self,
@@ -47,11 +50,14 @@ class StateHomes:
         """Allocate homes for the state `optimizer.step()` will create for the masters that
         have a gradient but no state yet (`device`: where the update runs). Raises
         HostMemoryError, having allocated nothing, when they do not all fit."""
-        new = [
-            i
-            for i, g in enumerate(grads)
-            if g is not None and not _has_state(optimizer, i, masters)
-        ]
+        new = []
+        for i, g in enumerate(grads):
+            if g is None or i in self._settled:
+                continue
+            if _has_state(optimizer, i, masters):
+                self._settled.add(i)  # its state exists: no later step creates it
+            else:
+                new.append(i)
         if not new:
             return
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -62,9 +68,15 @@ class StateHomes:
             kind = (group_of.get(id(masters[i])), masters[i].shape, masters[i].dtype, g.is_sparse)
             if kind not in self._layouts:
                 self._layouts[kind] = _probe(optimizer, masters, i, g, device)
+            if not self._layouts[kind]:
+                self._settled.add(i)  # its kind keeps no state (plain SGD)
             for key, layout in self._layouts[kind].items():
                 needed[(i, key)] = layout
         self._allocate(needed)
+
+    def forget(self) -> None:
+        """The optimizer's state was replaced (a checkpoint loaded): look at it afresh."""
+        self._settled.clear()
 
     def take(self, i: int, key: str, t: torch.Tensor) -> torch.Tensor:
         """`t` (state `key` of master `i`) copied to its home in the pool: the reserved one,
