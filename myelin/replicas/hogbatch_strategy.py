@@ -24,6 +24,7 @@ import torch
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
+from myelin.replicas.flat import flatten
 from myelin.replicas.hogbatch_run import Run
 from myelin.replicas.hogbatch_store import load_flat
 
@@ -116,10 +117,9 @@ class HogbatchStrategy(Strategy):
         x, y = dataset_of(data, "fit")
         evals = args.get("eval_loader")
         eval_data = dataset_of(evals, "fit: eval_loader") if evals is not None else None
-        resume = None
+        resume, start = None, flatten(self.params).cpu()  # the weights fit starts from
         if self.controller is not None:
-            weights = torch.cat([p.detach().reshape(-1).cpu().float() for p in self.params])
-            resume = {"weights": weights, "controller": self.controller,
+            resume = {"weights": start, "controller": self.controller,
                       "epoch": self.next_epoch, "progress": self.progress}  # fmt: skip
         live = Run(self.cfg, worker_copy(trainer.module), trainer.loop.stage.loss_fn, (x, y),
                    lr=lr, weight_decay=wd, epochs=epochs, eval_data=eval_data,
@@ -154,8 +154,7 @@ class HogbatchStrategy(Strategy):
         for hook in hooks:
             hook.on_fit_start(trainer, first, None)
         if args.get("eval_first"):
-            weights = torch.cat([p.detach().reshape(-1).cpu().float() for p in self.params])
-            loss = live.evaluator.now(weights)
+            loss = live.evaluator.now(start)
             history.append({"step": first, key: loss})
             for hook in hooks:
                 hook.on_log(trainer, history[-1])
