@@ -9,7 +9,9 @@ when another rank failed, is raised as its reason instead of killing the rank si
 the one line. Either way the rank writes its flight record wherever the signal found it
 and tells the launcher where (runtime/launched.py). Once the interpreter exits, SIGTERM is
 ignored: the rank is ending anyway, and an error raised in an exit handler would only cut
-its goodbye short. After a failure the pipeline is broken: every later call says so.
+its goodbye short. After a failure the pipeline is broken: every later call says so;
+except on a trainer of one rank, where a step whose update had not begun (a bad input, a
+full memory pool, Ctrl-C) is forgotten, and the trainer stays usable with its model unchanged.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.liveness import Liveness, fresh
 from myelin.runtime.transport import Transport
 
-__all__ = ["Failures"]
+__all__ = ["Failures", "forget_step"]
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +79,17 @@ class Failures:
                 f"an earlier step failed and left the pipeline broken: {self.failed}"
             ) from self.failed
 
+    def describe(self, exc: BaseException, doing: str) -> BaseException:
+        """The error to raise for `exc`: an exhausted device named as such."""
+        if isinstance(exc, torch.OutOfMemoryError) and self.budget is not None:
+            return self.budget.describe_oom(exc, doing)
+        return exc
+
     def fail(self, exc: BaseException, doing: str) -> BaseException:
         """Turn a failure into the error to raise: a lost peer (found by heartbeats) or an
         exhausted device named as such. Tell the other ranks, and write the flight record
         (its last lines go into the error's notes)."""
-        error = exc
-        if isinstance(exc, torch.OutOfMemoryError) and self.budget is not None:
-            error = self.budget.describe_oom(exc, doing)
+        error = self.describe(exc, doing)
         lost = self.liveness.find_lost() if self.liveness is not None else None
         if lost is not None and not isinstance(exc, (PeerLostError, DeviceMemoryError)):
             self.liveness.acknowledged = True
@@ -118,9 +124,12 @@ class Failures:
         except BaseException as exc:
             self.raise_failed(exc, doing)
 
-    def raise_failed(self, exc: BaseException, doing: str) -> NoReturn:
-        """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself."""
-        error = self.fail(exc, doing)
+    def raise_failed(self, exc: BaseException, doing: str, passing: bool = False) -> NoReturn:
+        """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself. A
+        `passing` failure (one rank's, which it recovered from) is named but breaks nothing."""
+        if passing:
+            self.flight.note(f"failed in {doing}, forgotten: {type(exc).__name__}")
+        error = self.describe(exc, doing) if passing else self.fail(exc, doing)
         try:
             if error is exc:
                 raise exc
@@ -225,3 +234,18 @@ class Failures:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
         self._old.clear()
+
+
+def forget_step(loop: Any, training: bool) -> bool:
+    """Drop what a failed step left (activations, partial gradients), so the next starts
+    clean; True when it had not begun its update (`training`), so the model is unchanged."""
+    updater = loop.updater
+    unchanged = not training or updater is None or not updater.changed
+    loop.stage.clear()
+    if loop.ties is not None:
+        loop.ties.clear()
+    if updater is not None and training:
+        updater.zero_grad()
+    if loop.budget is not None:
+        loop.budget.set("gradients", 0, "")
+    return unchanged

@@ -26,7 +26,7 @@ from myelin import checkpoint, collector, compiled, hf, pretrained, teardown
 from myelin import fit as fit_loop
 from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
-from myelin.failures import Failures
+from myelin.failures import Failures, forget_step
 from myelin.microbatch import split_batch, uneven_rows
 from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
@@ -394,8 +394,12 @@ class Trainer:
         self._failures.enter(entered)
         try:
             loss = run(self.seq, mb_inputs, mb_targets, rows)
-        except BaseException as exc:
-            self._failures.raise_failed(exc, failed)
+        except BaseException as exc:  # one rank alone forgets a step its update had not begun
+            alone = self.world.layout.world_size == 1 and isinstance(
+                exc, Exception | KeyboardInterrupt
+            )
+            passing = alone and forget_step(self.loop, training=run == self.loop.run_step)
+            self._failures.raise_failed(exc, failed, passing)
         self.seq += 1
         return loss
 

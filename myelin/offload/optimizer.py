@@ -92,6 +92,7 @@ class Updater:
         self._host_grads: list[torch.Tensor] = []
         self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
         self._armed = False
+        self.changed = False  # this step's update has begun (the loop resets it each step)
         self._handles: list[Any] = []  # the stream hooks on the parameters (host mode)
         self._stepping: list[int] = []  # the bucket whose masters hold gradients now
         self._homes = StateHomes(pool) if pool is not None else None
@@ -167,6 +168,7 @@ class Updater:
                 self.clip.clip([p.grad for p in self.params])
             if self._in_place:
                 self._reserve_state([p.grad for p in self.params])
+            self.changed = True
             self.optimizer.step()
             if self._in_place:
                 self._adopt_state(list(range(len(self.masters))))
@@ -194,6 +196,7 @@ class Updater:
         if self.clip is not None:
             self.clip.clip(self._step_grads())
         if self.mode == "device":
+            self.changed = True
             self.optimizer.step()
             with torch.no_grad():
                 for p, m in zip(self.params, self.masters, strict=True):
@@ -216,6 +219,7 @@ class Updater:
         assert self._homes is not None
         device = self.device if self.mode == "stream" else torch.device("cpu")  # the pool's
         self._homes.reserve(self.optimizer, self.masters, grads, device)
+        self.changed = True
 
     def _copy_grads(self, b: int) -> None:
         """Gradients of bucket `b` into their host buffers, as fp32."""
@@ -301,7 +305,7 @@ class Updater:
         return True
 
     def zero_grad(self) -> None:
-        self._stepping = []
+        self._stepping, self._armed = [], False
         if self._homes is not None:  # homes the step did not fill
             self._homes.release()
         self.grads.clear()

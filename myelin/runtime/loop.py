@@ -142,8 +142,9 @@ class EventLoop:
         self._losses: dict[int, float | torch.Tensor] = {}  # a tensor: this stage's own
         if stage.activations is not None:
             stage.activations.begin_step()
-        if self.updater is not None and self.updater.scaler is not None:
-            stage.loss_scale = self.updater.scaler.scale
+        if self.updater is not None:
+            self.updater.changed = False
+            stage.loss_scale = self.updater.scaler.scale if self.updater.scaler else 1.0
         self.policy.begin_step(ready)
         self.inbox.begin(step, ready, local)  # takes what came early for this step
         try:

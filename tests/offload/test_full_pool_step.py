@@ -50,6 +50,7 @@ def test_state_that_does_not_fit_fails_before_any_bucket_steps(case, roomy_machi
     trainer = _trainer(precision, offload)
     try:
         before = _snapshot(trainer)
+        saved = trainer.state_dict()
         in_use = trainer.memory_stats()["host_pool_in_use_bytes"]
         x, y = torch.randn(8, 256), torch.randn(8, 256)
         with pytest.raises(myelin.HostMemoryError, match="host_memory_limit") as caught:
@@ -62,5 +63,9 @@ def test_state_that_does_not_fit_fails_before_any_bucket_steps(case, roomy_machi
                 assert torch.equal(a, b), what
         assert not trainer.updater.optimizer.state  # no half-made state either
         assert trainer.memory_stats()["host_pool_in_use_bytes"] == in_use
+        # one rank: the failed step is forgotten, the trainer usable (its weights readable)
+        assert all(torch.equal(a, saved[k]) for k, a in trainer.state_dict().items())
+        with pytest.raises(myelin.HostMemoryError, match="host_memory_limit"):
+            trainer.step(x, y)
     finally:
         trainer.close()

@@ -1,0 +1,126 @@
+"""A trainer of one rank forgets a step that failed before its update (a bad input, a loss
+that raises, Ctrl-C): the error is raised, the model is as it was, and the next step trains
+exactly as if the failed one had never been called."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import myelin
+
+OFFLOADS = {
+    "none": None,
+    "activations": myelin.OffloadConfig(activations=True, min_bytes=0),
+    "optimizer": myelin.OffloadConfig(optimizer=True),
+}
+
+
+def _trainer(offload: str, precision: str = "fp32", loss_fn=nn.functional.mse_loss):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
+    adam = functools.partial(torch.optim.Adam, lr=1e-2)
+    return myelin.Trainer(
+        model, adam, loss_fn, microbatches=2, precision=precision, offload=OFFLOADS[offload]
+    )
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def _weights(trainer: myelin.Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.module.parameters()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("offload", list(OFFLOADS))
+def test_a_bad_microbatch_is_forgotten(offload, precision):
+    batches = _batches(3)
+    ref = _trainer(offload, precision)
+    want = [ref.step(x, y) for x, y in batches]
+    ref_weights = _weights(ref)
+    ref.close()
+
+    trainer = _trainer(offload, precision)
+    try:
+        got = [trainer.step(*batches[0])]
+        before = _weights(trainer)
+        x, y = batches[1]
+        # the first microbatch runs forward and backward; the second has 9 features
+        bad = [x[:4], torch.randn(4, 9)]
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            trainer.step(bad, [y[:4], y[4:]])
+        assert all(torch.equal(a, b) for a, b in zip(_weights(trainer), before, strict=True))
+        assert trainer.steps_done == 1
+        got += [trainer.step(x, y) for x, y in batches[1:]]
+        assert got == want  # the first microbatch's gradients were dropped with the step
+        for a, b in zip(_weights(trainer), ref_weights, strict=True):
+            assert torch.equal(a, b)
+        assert trainer.steps_done == 3
+    finally:
+        trainer.close()
+
+
+def test_a_loss_that_raises_or_an_interrupt_is_forgotten():
+    calls = {"n": 0, "raise_": None}
+
+    def loss_fn(out, y):
+        calls["n"] += 1
+        if calls["raise_"] is not None and calls["n"] == 2:  # the step's second microbatch
+            raise calls["raise_"]
+        return nn.functional.mse_loss(out, y)
+
+    batches = _batches(2)
+    ref = _trainer("none")
+    want = [ref.step(x, y) for x, y in batches]
+    ref.close()
+    trainer = _trainer("none", loss_fn=loss_fn)
+    try:
+        for error in (ValueError("bad target"), KeyboardInterrupt()):
+            calls.update(n=0, raise_=error)
+            with pytest.raises(type(error)):
+                trainer.step(*batches[0])
+        calls["raise_"] = None
+        assert [trainer.step(x, y) for x, y in batches] == want
+    finally:
+        trainer.close()
+
+
+def test_a_failed_evaluation_is_forgotten():
+    batches = _batches(2)
+    trainer = _trainer("none")
+    try:
+        trainer.step(*batches[0])
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            trainer.eval_step(torch.randn(8, 5), batches[1][1])
+        assert trainer.module.training  # the model's mode is put back
+        assert trainer.state_dict() is not None
+        trainer.step(*batches[1])
+    finally:
+        trainer.close()
+
+
+def test_a_step_that_failed_in_its_update_breaks_the_trainer():
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)  # the weights have changed: no retry can undo that
+            raise RuntimeError("the optimizer failed")
+
+    torch.manual_seed(0)
+    trainer = myelin.Trainer(
+        nn.Linear(4, 2), functools.partial(Failing, lr=0.1), nn.functional.mse_loss
+    )
+    try:
+        with pytest.raises(RuntimeError, match="the optimizer failed"):
+            trainer.step(torch.randn(4, 4), torch.randn(4, 2))
+        with pytest.raises(myelin.MyelinError, match="earlier step failed"):
+            trainer.step(torch.randn(4, 4), torch.randn(4, 2))
+    finally:
+        trainer.close()
