@@ -422,7 +422,7 @@ class Trainer:
         `Trainer(..., weights=path)` too; every rank must call it."""
         self._check_usable()
         pretrained.require_safetensors("save_pretrained")
-        with self._failures.collective("save_pretrained()"):
+        with self._failures.collective("save_pretrained()"), self.model_view():
             pretrained.save(
                 self.world, self.module, self._state_layout, path, self._configs, self.updater
             )

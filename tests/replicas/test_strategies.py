@@ -286,6 +286,7 @@ def test_easgd_evaluation_state_dict_and_resume_use_the_center(one):
     for mode in ("sync", "async", "hogwild"):
         assert one[f"{mode}_eval"] == pytest.approx(one[f"{mode}_eval_center"], abs=1e-7)
         assert one[f"{mode}_state_dict_is_center"]
+        assert one[f"{mode}_save_pretrained_is_center"]
     assert one["resumed"] == one["full"]  # exact, momentum and center included
 
 

@@ -16,6 +16,7 @@ import os
 import random
 import time
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import zmq
@@ -371,6 +372,11 @@ def case_one():
             res["exchanges"] = t.replicas.exchanges
             t.evaluate([batch(0, 99)] * 3)  # one read of the center for the whole evaluation
             res["evaluate_reads"] = t.replicas.hub.requests - res["hub_requests"]
+        folder = os.path.join(os.path.dirname(OUT), f"pretrained-{mode}")
+        t.save_pretrained(folder)  # the exported model is the center too
+        saved = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+        flat_saved = torch.cat([saved[k].reshape(-1) for k in sd])
+        res[f"{mode}_save_pretrained_is_center"] = torch.equal(flat_saved, center)
         t.close()
     res["finals"] = finals
     # resume: 3 steps, save, 3 more; against 6 uninterrupted (sync mode, with momentum)
