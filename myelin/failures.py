@@ -79,6 +79,12 @@ class Failures:
                 f"an earlier step failed and left the pipeline broken: {self.failed}"
             ) from self.failed
 
+    def script_failed(self, error: Exception) -> None:
+        """The script raised inside `with Trainer(...)`: with peers, this rank failed (they
+        are told now, as of a failed step, and close gathers nothing), not a clean close."""
+        if self.world_size > 1 and self.failed is None:
+            self.fail(error, "its script, inside `with Trainer(...)`")
+
     def describe(self, exc: BaseException, doing: str) -> BaseException:
         """The error to raise for `exc`: an exhausted device named as such."""
         if isinstance(exc, torch.OutOfMemoryError) and self.budget is not None:

@@ -493,5 +493,7 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        if isinstance(error, Exception) and not self._closed:  # the script's own error:
+            self._failures.script_failed(error)  # peers hear it now, not as a clean close
         self.close()

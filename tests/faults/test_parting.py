@@ -79,6 +79,20 @@ def test_a_rank_that_dies_is_named_wherever_its_peer_is(tmp_path, mode, die):
         assert "myelin run: rank 1 failed first" in job.output, job.output[-3000:]
 
 
+def test_a_rank_whose_with_block_raises_is_named_with_its_error(tmp_path):
+    """The victim raises inside `with Trainer(...)` (profile on) while rank 0 is in a step:
+    before, it closed as if cleanly (a 60 s profile gather, then rank 0 blamed uneven steps)."""
+    job, victim, ended = run(tmp_path, "with", "raise")
+    res = job.results.get(0)
+    assert res is not None, f"rank 0 wrote nothing:\n{job.output[-4000:]}"
+    assert not res.get("finished_place"), res
+    assert res["error_type"] in ("RemoteError", "PeerLostError"), res
+    assert "rank 1" in res["error"] and "inside its with block" in res["error"], res
+    assert res["time"] - victim["time"] < RAISE_S, res["time"] - victim["time"]
+    assert ended - victim["time"] < END_S, ended - victim["time"]
+    assert "myelin run: rank 1 failed first" in job.output, job.output[-3000:]
+
+
 def exit_codes(job) -> str:
     """The launcher's 'exit codes by rank: {...}'."""
     line = next(x for x in job.output.splitlines() if x.startswith("myelin run: rank"))

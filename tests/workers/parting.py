@@ -10,6 +10,8 @@ place; one stage per rank):
   checkpoint  rank 0 is inside trainer.save()
   barrier     rank 0 is inside torch.distributed.barrier()
   user        rank 0 is in its own code between steps (a sleep)
+  with        rank 0 is in its 4th training step; the victim raises inside its
+              `with Trainer(...)` block (profile on), so it closes with an error in flight
 HOW is `kill` (SIGKILL) or `raise` (an exception in the victim's own code after its last
 step, its trainer left to close at exit). The victim writes the time it died to
 victim.json. With --end-with-error the survivors' errors end their scripts (after their
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 
 import myelin
 
-PLACES = ["close", "gather", "checkpoint", "barrier", "user"]
+PLACES = ["close", "gather", "checkpoint", "barrier", "user", "with"]
 UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit"]
 RESUME = ["bad-resume"]
 VICTIM = int(os.environ.get("WORLD_SIZE", 2)) - 1
@@ -75,7 +77,22 @@ def batch(seed):
     return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
 
 
+def in_with_block(args, rank, record):
+    with build(args.out) as trainer:
+        for i in range(3):
+            trainer.step(*batch(i))
+        record["steps"] = trainer.steps_done
+        if rank == VICTIM:
+            time.sleep(1.0)  # rank 0 is in its 4th step by now
+            write(args.out, "victim.json", {"time": time.time(), "how": args.die})
+            raise RuntimeError("the victim's own code failed inside its with block")
+        trainer.step(*batch(3))
+    record["finished_place"] = True
+
+
 def place(args, rank, record):
+    if args.mode == "with":
+        return in_with_block(args, rank, record)
     trainer = build(args.out)
     for i in range(3):
         trainer.step(*batch(i))
