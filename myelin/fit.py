@@ -32,7 +32,7 @@ from myelin.metrics import Meter, all_reduce
 from myelin.profile.timeline import Timeline
 from myelin.runtime.group import World
 
-__all__ = ["Callback", "LRSchedule", "Trainable", "evaluate", "fit"]
+__all__ = ["checked_scheduler", "Callback", "LRSchedule", "Trainable", "evaluate", "fit"]
 
 _UNEVEN = ("shortest", "raise")
 
@@ -65,6 +65,7 @@ class Trainable(Protocol):
 
 def evaluate(trainer: Trainable, loader: Iterable, max_batches: int | None = None) -> float:
     """Mean loss over the loader's batches (or the first `max_batches`), no training."""
+    _check_count("evaluate", "max_batches", max_batches)
     _check_last_batch(loader, trainer.config.microbatches, "evaluate")
     view = getattr(trainer, "model_view", contextlib.nullcontext)
     with view():  # the model under the replica strategy, taken once for every batch
@@ -127,6 +128,11 @@ def fit(
     `checkpoint_every` counts epochs.
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
+    _check_count("fit", "eval_batches", eval_batches)
+    if eval_first and eval_loader is None:
+        raise ConfigError("fit: eval_first=True needs an eval_loader")
+    if callable(callbacks) or not isinstance(callbacks, (list, tuple)):
+        raise ConfigError(f"fit: callbacks={callbacks!r} must be a list of callbacks")
     _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
     if uneven not in _UNEVEN:
         raise ConfigError(f"fit: uneven={uneven!r} must be one of {', '.join(_UNEVEN)}")
@@ -246,10 +252,14 @@ def _checkpoint(trainer: Trainable, path: Any, hooks: list[Callback]) -> None:
         hook.on_checkpoint(trainer, os.fspath(path), trainer.steps_done)
 
 
+def _check_count(where: str, name: str, value: Any) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ConfigError(f"{where}: {name}={value!r} must be an int >= 1")
+
+
 def _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader) -> None:
     for name, value in (("steps", steps), ("epochs", epochs), ("eval_every", eval_every)):
-        if value is not None and (type(value) is not int or value < 1):
-            raise ConfigError(f"fit: {name}={value!r} must be an int >= 1")
+        _check_count("fit", name, value)
     if type(log_every) is not int or log_every < 1:
         raise ConfigError(f"fit: log_every={log_every!r} must be an int >= 1")
     if steps is not None and epochs is not None:
@@ -382,3 +392,21 @@ def _tokens(targets: Any) -> int:
     if isinstance(targets, (tuple, list)):
         return sum(_tokens(t) for t in targets)
     return 0
+
+
+def checked_scheduler(scheduler: Any, lr_schedule: Any) -> Any:
+    """What `lr_schedule(optimizer)` returned, if fit can step it each step with no
+    arguments and checkpoint it; else a ConfigError naming lr_schedule."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError(
+            f"lr_schedule={lr_schedule!r} returned ReduceLROnPlateau, which steps on a metric; "
+            f"fit steps the scheduler after every step without one: step it yourself from a "
+            f"callback's on_log, where rows with val_loss come"
+        )
+    for attr in ("step", "state_dict", "load_state_dict"):
+        if not callable(getattr(scheduler, attr, None)):
+            raise ConfigError(
+                f"lr_schedule={lr_schedule!r} returned {scheduler!r}, not an LR scheduler (it "
+                f"has no {attr}()); pass a function of the optimizer that returns one"
+            )
+    return scheduler

@@ -274,6 +274,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             near = difflib.get_close_matches(key, FIELDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"{path}: unknown option {key!r}{hint}; known: {', '.join(FIELDS)}")
+        if isinstance(value, bool) and "on" in (FIELDS[key].metadata["choices"] or ()):
+            table[key] = "on" if value else "off"  # TOML's own booleans for on/off options
     return table
 
 

@@ -284,7 +284,7 @@ class Trainer:
             self.lr_scheduler = None
             return None
         resumed_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.lr_scheduler = lr_schedule(self.optimizer)
+        self.lr_scheduler = fit_loop.checked_scheduler(lr_schedule(self.optimizer), lr_schedule)
         saved, self.resumed_scheduler_state = self.resumed_scheduler_state, None  # once
         if saved is not None:
             self.lr_scheduler.load_state_dict(saved)
@@ -349,8 +349,8 @@ class Trainer:
         """
         if self.replicas is not None:
             self.replicas.check_step()  # Hogbatch's workers, not the script, take batches
-        entered, failed = f"training step {self.steps_done + 1}", f"training step {self.steps_done}"
-        loss = self._run_batch(inputs, targets, self.loop.run_step, entered, failed)
+        where = f"training step {self.steps_done + 1}"
+        loss = self._run_batch(inputs, targets, self.loop.run_step, where)
         self.steps_done += 1
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         self._steps_here += 1
@@ -369,13 +369,13 @@ class Trainer:
         Takes the same inputs as `step`; the model is in eval mode meanwhile.
         """
         self._check_usable()
-        entered = f"evaluation step {self.seq - self.steps_done + 1}"
+        where = f"evaluation step {self.seq - self.steps_done + 1}"
         modes = [(m, m.training) for m in self.module.modules()]  # a frozen BatchNorm stays so
         self.module.eval()
         try:
             with self.model_view():
                 run = self.loop.run_eval
-                loss = self._run_batch(inputs, targets, run, entered, f"evaluation step {self.seq}")
+                loss = self._run_batch(inputs, targets, run, where)
         finally:
             self.module.train(modes[0][1])  # first, so overrides run (an HF stage's whole model)
             for m, training in modes:
@@ -383,15 +383,15 @@ class Trainer:
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
 
-    def _run_batch(self, inputs: Any, targets: Any, run: Callable, entered: str, failed: str):
+    def _run_batch(self, inputs: Any, targets: Any, run: Callable, where: str):
         """Split a batch into microbatches and `run` it through the loop; a failure is named
-        (`failed`: where) and told to the peers."""
+        (`where`, e.g. "training step 3") and told to the peers."""
         self._check_usable()
         m = self.config.microbatches
         mb_inputs = split_batch(inputs, m, "inputs")
         mb_targets = split_batch(targets, m, "targets")
         rows = uneven_rows(targets if targets is not None else inputs, m)
-        self._failures.enter(entered)
+        self._failures.enter(where)
         try:
             loss = run(self.seq, mb_inputs, mb_targets, rows)
         except BaseException as exc:  # one rank alone forgets a step its update had not begun
@@ -399,7 +399,7 @@ class Trainer:
                 exc, Exception | KeyboardInterrupt
             )
             passing = alone and forget_step(self.loop, training=run == self.loop.run_step)
-            self._failures.raise_failed(exc, failed, passing)
+            self._failures.raise_failed(exc, where, passing)
         self.seq += 1
         return loss
 

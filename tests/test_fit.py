@@ -208,11 +208,37 @@ def test_a_time_budget_stops_training_and_tells_the_schedule_its_progress():
         ({"lr_schedule": 0.1}, "lr_schedule=0.1 must be a function of the optimizer"),
         ({"callbacks": [3]}, "callbacks: 3 is neither a myelin.Callback nor a function"),
         ({"uneven": "longest"}, "uneven='longest' must be one of shortest, raise"),
+        ({"callbacks": print}, "callbacks=<built-in function print> must be a list"),
+        ({"eval_first": True}, "eval_first=True needs an eval_loader"),
+        ({"eval_loader": [], "eval_batches": 0}, "eval_batches=0 must be an int >= 1"),
+        ({"eval_loader": [], "eval_batches": "2"}, "eval_batches='2' must be an int >= 1"),
+        ({"lr_schedule": lambda o: None}, "returned None, not an LR scheduler"),
+        (
+            {"lr_schedule": torch.optim.lr_scheduler.ReduceLROnPlateau},
+            "returned ReduceLROnPlateau, which steps on a metric",
+        ),
     ],
 )
 def test_bad_new_fit_arguments_are_named(kwargs, message):
+    """Named before the first step (the loader has batches: none trains)."""
     with trainer() as t, pytest.raises(ConfigError, match=message):
-        t.fit([], progress=False, **kwargs)
+        t.fit(DataLoader(data(), batch_size=8), progress=False, **kwargs)
+    assert t.steps_done == 0
+
+
+@pytest.mark.parametrize("max_batches", [0, -1, 1.5])
+def test_evaluate_names_a_bad_max_batches(max_batches):
+    with trainer() as t, pytest.raises(ConfigError, match=f"max_batches={max_batches!r} must be"):
+        t.evaluate(DataLoader(data(), batch_size=8), max_batches=max_batches)
+
+
+def test_a_failed_step_is_named_by_its_number():
+    x, y = next(iter(DataLoader(data(), batch_size=8)))
+    with trainer() as t:
+        t.step(x, y)
+        with pytest.raises(RuntimeError):
+            t.step(torch.randn(8, 3), y)
+        assert "failed in training step 2" in t._failures.flight.summary()
 
 
 def test_the_time_budgets_agreement_is_recorded_as_step_end_sync():

@@ -213,6 +213,16 @@ def test_flags_override_toml_and_toml_overrides_defaults(tmp_path):
     assert type(cfg.lr) is float and cfg.n_layer == TrainConfig().n_layer
 
 
+def test_toml_booleans_set_on_off_options(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("offload_activations = false\noffload_optimizer = true\n")
+    cfg = config_from_args(parse("--config", str(toml)))
+    assert (cfg.offload_activations, cfg.offload_optimizer) == ("off", "on")
+    toml.write_text("steps = true\n")  # a boolean for a number is still named
+    with pytest.raises(ConfigError, match="steps=True must be an int"):
+        config_from_args(parse("--config", str(toml)))
+
+
 def test_unknown_toml_key_is_named(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text("n_layers = 3\n")
