@@ -129,8 +129,6 @@ def fit(
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
     _check_count("fit", "eval_batches", eval_batches)
-    if eval_first and eval_loader is None:
-        raise ConfigError("fit: eval_first=True needs an eval_loader")
     if callable(callbacks) or not isinstance(callbacks, (list, tuple)):
         raise ConfigError(f"fit: callbacks={callbacks!r} must be a list of callbacks")
     _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
@@ -145,6 +143,8 @@ def fit(
                    eval_loader=eval_loader, eval_every=eval_every, eval_batches=eval_batches,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                    eval_first=eval_first)  # fmt: skip
+    if eval_first and eval_loader is None:  # (Hogbatch's rows are the training loss)
+        raise ConfigError("fit: eval_first=True needs an eval_loader")
     _check_last_batch(loader, trainer.config.microbatches, "fit")
     if eval_loader is not None:
         _check_last_batch(eval_loader, trainer.config.microbatches, "fit: eval_loader")
