@@ -63,6 +63,9 @@ def prepare_stage(
     # Masters start from the fp32 weights, not from their half-precision rounding.
     initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
     module.to(dtype)
+    for m in module.modules():  # running statistics stall in half precision: fp32, as autocast
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.float()
     layers = [stage_keys(m).layers for m in stages]
     return PreparedStage(module, tied, state_layout, layers, names, initial, clip, dtype)
 
