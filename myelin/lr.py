@@ -18,7 +18,8 @@ __all__ = ["WarmupCosine"]
 
 
 class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
-    """Linear warmup over `warmup_steps`, then cosine decay to `floor` x lr as progress 0 -> 1.
+    """Linear warmup over `warmup_steps`, under a cosine decay to `floor` x lr as progress
+    goes 0 -> 1 (the lower of the two), so a run shorter than its warmup anneals too.
 
     The loop sets `progress` before each `step()`: the larger of the share of steps done
     and the share of the time budget used, so a run that time cuts short still anneals.
@@ -32,9 +33,8 @@ class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
 
     def get_lr(self) -> list[float]:
         """Each group's rate for the step `last_epoch` at `progress`."""
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, self.progress)))
+        factor = self.floor + (1 - self.floor) * cosine
         if self.last_epoch < self.warmup_steps:
-            factor = (self.last_epoch + 1) / self.warmup_steps
-        else:
-            cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, self.progress)))
-            factor = self.floor + (1 - self.floor) * cosine
+            factor = min(factor, (self.last_epoch + 1) / self.warmup_steps)
         return [base * factor for base in self.base_lrs]

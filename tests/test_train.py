@@ -292,6 +292,20 @@ def test_learning_rate_warms_up_then_anneals_by_steps_or_time():
     assert lr_after_a_step(1.0) == pytest.approx(0.1)
 
 
+def test_a_run_shorter_than_its_warmup_still_anneals():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = WarmupCosine(opt, warmup_steps=20, floor=0.1)  # a run of 12 steps
+    lrs = []
+    for step in range(12):
+        opt.step()
+        sched.progress = (step + 1) / 12
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+    assert lrs[0] == pytest.approx(0.1)  # the warmup's ramp (2 of 20) is the lower
+    assert lrs[-1] == pytest.approx(0.1)  # and the run ends at the floor, annealed
+    assert max(lrs) < 0.6  # the ramp capped by the cosine on its way down
+
+
 # -- data ----------------------------------------------------------------------------
 
 
