@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 
 from myelin.errors import DeadlineError, MyelinError, PeerLostError
 from myelin.replicas.hogbatch_dispatch import Dispatcher, Range
+from myelin.replicas.hogbatch_model import portable
 from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_store import SharedModel, load_flat
 from myelin.replicas.hogbatch_worker import main as worker_main
@@ -89,7 +90,7 @@ class Run:
             progress = resume.get("progress")  # absent: an older checkpoint, whole epochs
         self.data = tuple(t.detach().cpu().contiguous().share_memory_() for t in data)
         host_model = copy.deepcopy(model).cpu()
-        self.job = {"model": host_model, "loss_fn": loss_fn, "lr": lr,
+        self.job = {"model": portable(host_model), "loss_fn": loss_fn, "lr": lr,
                     "weight_decay": weight_decay, "device": cfg.device,
                     "threads": cfg.cpu_threads, "seed": cfg.seed, "data_seed": cfg.seed,
                     "timeout_s": cfg.timeout_s, "record": cfg.record,

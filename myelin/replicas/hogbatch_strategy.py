@@ -21,6 +21,9 @@ import os
 from typing import Any
 
 import torch
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.parametrize import is_parametrized, type_before_parametrizations
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
@@ -246,19 +249,35 @@ def check_loss_fn(loss_fn: Any) -> None:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Only parameters are shared: running statistics (BatchNorm's) would stay in each
-    worker's copy and never reach the model, so such a module is a ConfigError."""
+    """Only parameters are shared: buffers a training forward updates (BatchNorm's running
+    statistics, spectral_norm's power iteration) would stay in each worker's copy and never
+    reach the model, so such a module is a ConfigError."""
     for name, m in model.named_modules():
+        where = f"module {name or '(the model)'!r} ({type_before_parametrizations(m).__name__})"
         if (
             getattr(m, "track_running_stats", False)
             and getattr(m, "running_mean", None) is not None
         ):
             raise ConfigError(
-                f"Hogbatch shares the parameters only, and module {name or '(the model)'!r} "
-                f"({type(m).__name__}) keeps running statistics, which each worker would update "
-                f"in its own copy and the model would never get; use track_running_stats=False "
-                f"or a LayerNorm/GroupNorm"
+                f"Hogbatch shares the parameters only, and {where} keeps running statistics, "
+                f"which each worker would update in its own copy and the model would never "
+                f"get; use track_running_stats=False or a LayerNorm/GroupNorm"
             )
+        if _spectral_norm(m):
+            raise ConfigError(
+                f"Hogbatch shares the parameters only, and {where} has spectral_norm, whose "
+                f"power iteration (its u and v buffers) each worker would update in its own "
+                f"copy and the model would never get (it would be evaluated and saved with "
+                f"the first ones); use weight_norm, or train it without Hogbatch"
+            )
+
+
+def _spectral_norm(m: torch.nn.Module) -> bool:
+    """Whether spectral_norm (the parametrization, or the older forward hook) is on `m`."""
+    chains = m.parametrizations.values() if is_parametrized(m) else []
+    return any(isinstance(p, _SpectralNorm) for chain in chains for p in chain) or any(
+        isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()
+    )
 
 
 def _check_holds(held: list[Any], trainable: list[Any]) -> None:

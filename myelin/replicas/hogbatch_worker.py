@@ -21,7 +21,6 @@ and a worker that had to wait for its next range starts a new schedule.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import traceback
@@ -31,6 +30,7 @@ import msgpack
 import torch
 
 from myelin.replicas.hogbatch_dispatch import Dispatcher
+from myelin.replicas.hogbatch_model import rebuild
 from myelin.replicas.hogbatch_store import SharedModel, flat_grads
 
 __all__ = ["due_time", "main", "pack", "unpack"]
@@ -94,10 +94,10 @@ class _Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.store = SharedModel(*shared, me=index, timeout_s=job["timeout_s"])
-        # a private copy: spawning hands every process the *same* shared-memory storage for
-        # the pickled model's tensors, so without it all workers (and the runner's
-        # evaluator) would compute on one parameter buffer
-        self.model = copy.deepcopy(job["model"]).to(self.device)
+        # a private copy (rebuild's): spawning hands every process the *same* shared-memory
+        # storage for the pickled model's tensors, so without it all workers (and the
+        # runner's evaluator) would compute on one parameter buffer
+        self.model = rebuild(job["model"]).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.x, self.y = data
         self.loss_fn = job["loss_fn"]

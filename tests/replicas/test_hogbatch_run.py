@@ -90,6 +90,33 @@ def test_a_model_with_running_statistics_is_refused_naming_the_module():
     )
 
 
+def test_a_parametrized_model_trains_as_sgd_does_and_spectral_norm_is_refused():
+    from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+    def make():  # torch refuses to pickle these modules; the workers get them all the same
+        torch.manual_seed(0)
+        return torch.nn.Sequential(weight_norm(torch.nn.Linear(5, 8)), torch.nn.Tanh(),
+                                   orthogonal(torch.nn.Linear(8, 8)), torch.nn.Linear(8, 1),
+                                   torch.nn.Flatten(0))  # fmt: skip
+
+    model, ref = make(), make()
+    data = (torch.randn(64, 5), torch.randn(64))
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(16, 16), adaptive=False, lock=True)
+    hog.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), data)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    order = Dispatcher(64, 1, hog.seed).permutation(0)
+    for start in range(0, 64, 16):
+        idx = order[start : start + 16]
+        sgd.zero_grad()
+        torch.nn.MSELoss()(ref(data[0][idx]), data[1][idx]).backward()
+        sgd.step()
+    got, want = model.state_dict(), ref.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model[2] = spectral_norm(torch.nn.Linear(8, 8))  # its u, v would stay in each worker
+    with pytest.raises(ConfigError, match="module '2' \\(Linear\\) has spectral_norm"):
+        hog.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), data)
+
+
 def test_the_epoch_loss_is_evaluated_in_eval_mode():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
