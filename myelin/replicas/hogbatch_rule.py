@@ -9,7 +9,10 @@ workers, "at the expense of a customizable decrease in utilization"; no formula 
    least squares over a sliding window of (batch, seconds) pairs (`fit_update_time`).
 2. The device's efficiency at batch b is  eta(b) = b / (b + o_d * s_d)  (`efficiency`);
    the utilization budget eps asks eta >= 1 - eps, so b >= o_d * s_d * (1 - eps) / eps
-   (`budget_floor`). eps -> 0 gives the largest batch: fixed CPU+GPU Hogbatch.
+   (`budget_floor`). eps -> 0 gives the largest batch: fixed CPU+GPU Hogbatch. The o_d
+   used there is at least MIN_OVERHEAD of an update at the largest batch
+   (`budget_overhead`): a fit that finds no overhead (noise, or time growing faster than
+   the batch: the intercept is clipped to 0) would put the floor at 0 for any budget.
 3. The target ratio rho = device updates / CPU updates is met when 1 / t_d(b) = rho * U_c
    (U_c: the CPU workers' updates per second together): b = s_d * (1 / (rho * U_c) - o_d)
    (`ratio_batch`).
@@ -28,8 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "MIN_OVERHEAD",
     "Controller",
     "budget_floor",
+    "budget_overhead",
     "choose_device_batch",
     "efficiency",
     "fit_update_time",
@@ -63,6 +68,21 @@ def efficiency(batch: float, overhead: float, throughput: float) -> float:
     return batch / (batch + overhead * throughput)
 
 
+# Every update pulls and pushes the whole model, so no device update is free of overhead:
+# the budget floor takes at least this share of an update at the largest batch as one.
+# Fits of real overheads are larger (the bench's device: 2.4% at 4096); with it, a budget
+# eps keeps the batch >= about hi * (1 - eps) / (100 * eps): 0.01 -> 0.99 hi, 0.3 -> 0.02 hi.
+MIN_OVERHEAD = 0.01
+
+
+def budget_overhead(overhead: float, throughput: float, hi: float) -> float:
+    """The overhead the budget floor assumes: the fitted one, but at least MIN_OVERHEAD of the
+    fitted time of an update at `hi`, so a budget near 0 keeps the batch near `hi`."""
+    if math.isinf(throughput):
+        return overhead  # time does not grow with the batch: it is all overhead already
+    return max(overhead, MIN_OVERHEAD * (max(overhead, 0.0) + hi / throughput))
+
+
 def budget_floor(overhead: float, throughput: float, budget: float) -> float:
     """The smallest batch whose efficiency is at least 1 - budget (inf when budget is 0)."""
     if budget <= 0:
@@ -94,10 +114,11 @@ def choose_device_batch(
     lo: int,
     hi: int,
 ) -> int:
-    """The next device batch: max(ratio batch, budget floor) in [lo, hi], within 2x of current."""
+    """The next device batch: max(ratio batch, budget floor) in [lo, hi], within 2x of current.
+    The floor's overhead is `budget_overhead`'s, never under MIN_OVERHEAD of an update at hi."""
     want = max(
         ratio_batch(overhead, throughput, cpu_rate, ratio),
-        budget_floor(overhead, throughput, budget),
+        budget_floor(budget_overhead(overhead, throughput, hi), throughput, budget),
     )
     want = min(max(want, lo), hi)
     want = min(max(want, current / 2), current * 2)
@@ -113,8 +134,8 @@ class Controller:
     adaptive off keep hi throughout (fixed CPU+GPU Hogbatch). While the device's window
     holds one batch size only (the probe not back yet, or a batch that held for a whole
     window) its line is not identifiable: the last fit that was holds, and before any
-    the batch stays (an unidentified fit puts all the time on throughput, whose budget
-    floor is 0)."""
+    the batch stays (an unidentified fit puts all the time on throughput, no overhead,
+    whose budget floor is only MIN_OVERHEAD's)."""
 
     def __init__(
         self, *, lo: int, hi: int, ratio: float, budget: float, adaptive: bool, window: int = 16

@@ -11,8 +11,10 @@ import random
 import pytest
 
 from myelin.replicas.hogbatch_rule import (
+    MIN_OVERHEAD,
     Controller,
     budget_floor,
+    budget_overhead,
     choose_device_batch,
     efficiency,
     fit_update_time,
@@ -44,6 +46,33 @@ def test_budget_to_zero_gives_the_largest_batch():
         c.observe(1, 4, 0.002, device=False)
         c.observe(0, c.batch, O_D + c.batch / S_D, device=True)
     assert c.trace == [4096] and c.batch == 4096
+
+
+@pytest.mark.parametrize("overhead", [0.0, -0.01])
+@pytest.mark.parametrize("budget", [1e-9, 1e-6])
+def test_a_tiny_budget_keeps_the_largest_batch_when_the_fit_finds_no_overhead(overhead, budget):
+    # a negative intercept (noise, superlinear times) was clipped to 0: the floor was 0
+    # whatever the budget, so budget 1e-9 went to the ratio batch as budget 1 does
+    got = choose_device_batch(4096, overhead, 1e5, 1000.0, ratio=1.0, budget=budget,
+                              lo=64, hi=4096)  # fmt: skip
+    assert got == 4096
+    assert budget_overhead(overhead, 1e5, 4096) == pytest.approx(MIN_OVERHEAD * 4096 / 1e5)
+    assert budget_overhead(O_D, S_D, 4096) == O_D  # a real overhead is the fit's
+
+
+@pytest.mark.parametrize("budget", [1e-6, 0.01, 0.3])
+def test_superlinear_device_times_keep_a_small_budget_near_the_largest_batch(budget):
+    c = Controller(lo=64, hi=4096, ratio=1.0, budget=budget, adaptive=True)
+    for _ in range(8):
+        c.observe(1, 4, 0.001, device=False)  # a CPU worker: 1000 updates/s
+    for _ in range(30):
+        b = c.batch
+        c.observe(0, b, 1e-5 * b * (1 + b / 4096), device=True)  # no overhead, superlinear
+    assert c.fit[0] == 0.0  # the fit finds none
+    if budget < 0.3:  # 1e-6: 4096, 0.01: about 0.99 x 4096
+        assert min(c.trace[2:]) >= 0.98 * 4096, c.trace
+    else:  # a real budget still lets the batch go where the ratio wants it
+        assert c.batch < 4096 / 10
 
 
 @pytest.mark.parametrize("cpu_rate", [5.0, 20.0, 40.0])
@@ -101,7 +130,7 @@ def test_controller_converges_to_the_ratio_and_tracks_a_speed_change():
 
 def test_the_batch_is_rounded_up_to_its_floor_and_halves_at_most_to_half():
     floor = budget_floor(O_D, S_D, 0.3)  # 2333.3: 2333 would be under the budget
-    b = choose_device_batch(4096, O_D, S_D, 1e6, ratio=1.0, budget=0.3, lo=1, hi=10**6)
+    b = choose_device_batch(4096, O_D, S_D, 1e6, ratio=1.0, budget=0.3, lo=1, hi=8192)
     assert b == math.ceil(floor) and efficiency(b, O_D, S_D) >= 0.7
     assert choose_device_batch(5, O_D, S_D, 1e6, ratio=1.0, budget=1.0, lo=1, hi=100) == 3
 
