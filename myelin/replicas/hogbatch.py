@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError
+from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_strategy import (
     HogbatchStrategy,
     check_loss_fn,
@@ -173,12 +174,15 @@ class Hogbatch:
         needs `if __name__ == "__main__":`."""
         from myelin.replicas.hogbatch_run import Run  # the runner imports these settings
 
-        lr, wd = check_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        trained = [p for p in model.parameters() if p.requires_grad]
+        lr, wd = check_optimizer(optimizer, trained)
         check_model(model)
         check_loss_fn(loss_fn)
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         data = dataset_of(data, "Hogbatch.fit(data=...)")
+        if resume is not None:
+            self.check_resume(resume, sum(p.numel() for p in trained), data[0].shape[0])
         if eval_data is not None:
             eval_data = dataset_of(eval_data, "Hogbatch.fit(eval_data=...)")
         if eval_every_s is not None and (not _number(eval_every_s) or eval_every_s <= 0):
@@ -188,6 +192,60 @@ class Hogbatch:
         live = Run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
                    eval_data=eval_data, resume=resume, eval_every_s=eval_every_s)  # fmt: skip
         return live.train(on_epoch)
+
+    def check_resume(self, resume: Any, weights: int, samples: int) -> None:
+        """`fit(resume=...)` must be a report's `state` for this model, data and device_batch:
+        what differs is a ConfigError saying so, before any worker starts."""
+        where = "Hogbatch.fit(resume=...)"
+        if not isinstance(resume, dict) or not {"weights", "controller", "epoch"} <= set(resume):
+            got = sorted(resume) if isinstance(resume, dict) else type(resume).__name__
+            raise ConfigError(
+                f"{where}: must be a run's report['state'] (a dict of weights, controller, "
+                f"epoch and progress); got {got}"
+            )
+        w = resume["weights"]
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.shape != (weights,):
+            got = f"{w.dtype} of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else w
+            raise ConfigError(
+                f"{where}: weights must be the model's {weights} trainable values, a float "
+                f"tensor of shape ({weights},); got {got!r:.100}"
+            )
+        try:
+            Controller(lo=1, hi=1, ratio=1.0, budget=0.0, adaptive=False).load_state_dict(
+                resume["controller"]
+            )
+            batch = resume["controller"]["batch"]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{where}: controller is not the rule's state ({e!r})") from e
+        lo, hi = self.device_batch
+        if type(batch) is not int or not lo <= batch <= hi:
+            raise ConfigError(
+                f"{where}: controller's batch {batch!r} is outside device_batch={(lo, hi)}"
+            )
+        if type(resume["epoch"]) is not int or resume["epoch"] < 0:
+            raise ConfigError(f"{where}: epoch={resume['epoch']!r} must be an int >= 0")
+        progress = resume.get("progress")
+        if progress is not None and not _progress_of(progress, samples):
+            raise ConfigError(
+                f"{where}: progress {progress!r:.200} is not positions in a dataset of "
+                f"{samples} samples (epoch, cursor <= {samples} and todo ranges within it)"
+            )
+
+
+def _progress_of(progress: Any, samples: int) -> bool:
+    """Whether `progress` is Dispatcher.progress's shape for a dataset of `samples`."""
+    try:
+        epoch, cursor, todo = progress["epoch"], progress["cursor"], progress["todo"]
+        ranges = [tuple(r) for r in todo]
+    except (KeyError, TypeError):
+        return False
+    ints = all(type(v) is int for v in (epoch, cursor, *(v for r in ranges for v in r)))
+    return (
+        ints
+        and epoch >= 0
+        and 0 <= cursor <= samples
+        and all(len(r) == 3 and r[0] >= 0 and 0 <= r[1] < r[1] + r[2] <= samples for r in ranges)
+    )
 
 
 def _number(v: Any) -> bool:

@@ -22,6 +22,7 @@ import torch
 import myelin
 from myelin.errors import ConfigError, PeerLostError
 from myelin.replicas.hogbatch_dispatch import Dispatcher
+from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_store import load_flat
 from tests.replicas._problem import problem
 
@@ -171,6 +172,35 @@ def test_fit_takes_a_tensor_dataset_and_checks_eval_data_before_any_worker_start
     rep = hog.fit(model, opt, torch.nn.MSELoss(), torch.utils.data.TensorDataset(x, y),
                   eval_data=torch.utils.data.TensorDataset(x[:8], y[:8]))  # fmt: skip
     assert rep["workers"][0]["samples"] == 64 and len(rep["evals"]) == 1
+
+
+def test_a_resume_of_another_model_or_data_names_what_differs_before_any_start(monkeypatch):
+    model, data, _ = problem(n=64)  # 9 trainable values
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hog = myelin.Hogbatch(cpu_workers=1, device_batch=(16, 32))
+    good = {"weights": flat(model), "epoch": 1, "progress": {"epoch": 1, "cursor": 32, "todo": []},
+            "controller": Controller(lo=16, hi=32, ratio=1.0, budget=0.3,
+                                     adaptive=True).state_dict()}  # fmt: skip
+    hog.check_resume(good, 9, 64)
+    ctl = good["controller"]
+    bad = [
+        ({"weights": torch.zeros(3)}, "Hogbatch.fit\\(resume=...\\): must be a run's report"),
+        ({**good, "weights": torch.zeros(3)}, "weights must be the model's 9 .* shape \\(3,\\)"),
+        ({**good, "weights": torch.zeros(())}, "shape \\(\\)"),  # copy_ would broadcast it
+        ({**good, "controller": {"batch": 32}}, "controller is not the rule's state"),
+        ({**good, "controller": {**ctl, "batch": 4096}}, "batch 4096 is outside device_batch"),
+        ({**good, "epoch": -1}, "epoch=-1"),
+        ({**good, "progress": {"epoch": 1, "cursor": 100, "todo": []}}, "dataset of 64"),
+        ({**good, "progress": {"epoch": 1, "cursor": 0, "todo": [[0, 60, 8]]}}, "dataset of 64"),
+    ]
+
+    def no_start(self):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", no_start)
+    for resume, words in bad:
+        with pytest.raises(ConfigError, match=words):
+            hog.fit(model, opt, torch.nn.MSELoss(), data, resume=resume)
 
 
 def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_resume_continues(tmp_path):
