@@ -38,7 +38,7 @@ from myelin.replicas.hogbatch_worker import pack, unpack
 if TYPE_CHECKING:
     from myelin.replicas.hogbatch import Hogbatch
 
-__all__ = ["AHEAD", "CPU_AHEAD", "Run", "params_of"]
+__all__ = ["AHEAD", "CPU_AHEAD", "Run", "counters", "params_of"]
 
 # Ranges a worker holds at once: the one it trains and the next ones, already in its pipe,
 # so it never waits a round trip through the runner between updates (in real mode, tiny
@@ -408,26 +408,9 @@ class _Run:
 
     def report(self) -> dict[str, Any]:
         """Update share, staleness (median, p99), busy fraction per worker; the batch trace."""
-        total = sum(s["updates"] for s in self.stats) or 1
         wall = self.wall_s or (time.perf_counter() - self.t0)
-        workers = []
-        for w, s in enumerate(self.stats):
-            tau = sorted(s["tau"])
-            workers.append({
-                "worker": "device" if w == 0 else f"cpu{w}",
-                "updates": s["updates"],
-                "samples": s["samples"],
-                "share": s["updates"] / total,
-                "tau_median": statistics.median(tau) if tau else 0,
-                "tau_p99": tau[min(len(tau) - 1, int(0.99 * len(tau)))] if tau else 0,
-                "busy": s["busy_s"] / wall if wall > 0 else 0.0,
-            })  # fmt: skip
-        dev = self.stats[0]["updates"]
-        cpu = total - dev if total > dev else 0
         return {
-            "wall_s": wall,
-            "workers": workers,
-            "ratio": dev / cpu if cpu else float("inf"),
+            **counters(self.stats, wall),
             "device_batch": self.batches,
             "settings": {
                 "adaptive": self.cfg.adaptive,
@@ -436,3 +419,24 @@ class _Run:
                 "lock": self.cfg.lock,
             },  # fmt: skip
         }
+
+
+def counters(stats: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """From `stats` (per worker updates, samples, busy_s, tau list) over `wall` seconds: per
+    worker updates, samples, share, staleness (median, p99), busy fraction; the ratio."""
+    total = sum(s["updates"] for s in stats) or 1
+    workers = []
+    for w, s in enumerate(stats):
+        tau = sorted(s["tau"])
+        workers.append({
+            "worker": "device" if w == 0 else f"cpu{w}",
+            "updates": s["updates"],
+            "samples": s["samples"],
+            "share": s["updates"] / total,
+            "tau_median": statistics.median(tau) if tau else 0,
+            "tau_p99": tau[min(len(tau) - 1, int(0.99 * len(tau)))] if tau else 0,
+            "busy": s["busy_s"] / wall if wall > 0 else 0.0,
+        })  # fmt: skip
+    dev = stats[0]["updates"]
+    cpu = total - dev if total > dev else 0
+    return {"wall_s": wall, "workers": workers, "ratio": dev / cpu if cpu else float("inf")}

@@ -28,7 +28,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
 from myelin.replicas.flat import flatten
-from myelin.replicas.hogbatch_run import Run
+from myelin.replicas.hogbatch_run import Run, counters
 from myelin.replicas.hogbatch_store import load_flat
 
 __all__ = [
@@ -64,6 +64,10 @@ class HogbatchStrategy(Strategy):
         self.progress: dict[str, Any] | None = None  # which samples the weights hold
         self.report: dict[str, Any] | None = None  # the last fit's (Hogbatch.fit's report)
         self.device_batch = cfg.device_batch[1]  # the batch the rule hands the device next
+        # with profile=: every fit's counters together (summary.json's detail)
+        self.totals = [{"updates": 0, "samples": 0, "busy_s": 0.0, "tau": []}
+                       for _ in range(1 + cfg.cpu_workers)]  # fmt: skip
+        self.fits, self.wall_s = 0, 0.0
 
     @property
     def batch_sizes(self) -> dict[str, int]:
@@ -183,8 +187,8 @@ class HogbatchStrategy(Strategy):
         return history
 
     def _profile(self, live: Run) -> None:
-        """With profile=: the run's figures go to summary.json (this rank's `detail`), the
-        device batch and each epoch's loss to counter tracks of the trace."""
+        """With profile=: the device batch and each epoch's loss go to counter tracks of the
+        trace, and the figures of every fit so far to summary.json (this rank's `detail`)."""
         tl = self.timeline
         if tl is None or not tl.enabled or self.report is None:
             return
@@ -193,7 +197,13 @@ class HogbatchStrategy(Strategy):
         batch += [[shift + t, b] for t, b in self.report["device_batch"]]
         loss = tl.counters.setdefault("hogbatch epoch loss", [])
         loss += [[shift + e["wall_s"], e["loss"]] for e in self.report["evals"]]
-        detail = self.stats()
+        for total, st in zip(self.totals, live.runner.stats, strict=True):
+            for key in ("updates", "samples", "busy_s", "tau"):
+                total[key] += st[key]
+        self.fits += 1
+        self.wall_s += self.report["wall_s"]
+        detail = {**counters(self.totals, self.wall_s), "fits": self.fits,
+                  "device_batch": copy.deepcopy(batch)}  # fmt: skip
         if not math.isfinite(detail["ratio"]):
             detail["ratio"] = None  # no CPU updates (JSON has no infinity)
         tl.detail["hogbatch"] = detail

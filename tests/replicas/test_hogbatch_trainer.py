@@ -68,6 +68,23 @@ def test_lock_with_one_worker_is_plain_sgd_bit_for_bit_and_a_checkpoint_resumes(
     assert torch.equal(flat(final), flat(ref.state_dict()))
 
 
+def test_the_profile_summary_counts_every_fit_as_its_tracks_do():
+    model, data, _ = problem(n=96)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(32, 32), adaptive=False, timeout_s=100)
+    profile = ProfileConfig(print_summary=False)
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog, profile=profile) as trainer:
+        trainer.fit(data, epochs=2)
+        trainer.fit(data, epochs=1)  # its rows and stats() are this fit's alone
+        assert trainer.replicas.stats()["workers"][0]["updates"] == 3
+        (rank,) = trainer.profile_report().summary()["ranks"]
+        tracks = trainer.timeline.counters
+    detail = rank["detail"]["hogbatch"]
+    assert detail["fits"] == 2 and detail["workers"][0]["updates"] == trainer.steps_done == 9
+    assert detail["workers"][0]["samples"] == 3 * 96 and detail["workers"][0]["share"] == 1.0
+    assert detail["device_batch"] == tracks["hogbatch device batch"]  # both fits, trace clock
+    assert len(tracks["hogbatch epoch loss"]) == 3
+
+
 def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
     model, data, best = problem(n=1024)
     hog = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(32, 256), budget=0.5,
