@@ -86,7 +86,7 @@ def fit(
     eval_loader: Iterable | None = None,
     eval_every: int | None = None,
     eval_batches: int | None = None,
-    log_every: int = 10,
+    log_every: int | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     callbacks: Sequence[Callback | Callable[[Any, dict[str, Any]], None]] = (),
@@ -110,8 +110,8 @@ def fit(
         if it yields the same batches) every `eval_every` steps and at the end; with
         `eval_first` also before the first step (a row of only step and val_loss), so
         the run shows how far it got from where it started.
-    log_every: a metrics row every this many steps, at every validation and at the end;
-        each goes to the history and to every callback's on_log.
+    log_every: a metrics row every this many steps (default 10), at every validation and
+        at the end; each goes to the history and to every callback's on_log.
     checkpoint_dir, checkpoint_every: `trainer.save` every this many steps and at the end
         (the scheduler's state is in every checkpoint).
     callbacks: `myelin.Callback`s, or functions f(trainer, metrics) called on each row.
@@ -124,8 +124,8 @@ def fit(
     Steps are numbered as the trainer counts them (`steps_done`), so a resumed trainer
     continues its numbering, and `*_every` are multiples of that number.
     Under sync=Hogbatch(...) the strategy runs the loop (replicas/hogbatch_strategy.py):
-    `loader` is the dataset, whose batches its workers choose, a row per epoch, and
-    `checkpoint_every` counts epochs.
+    `loader` is the dataset, whose batches its workers choose, a row per epoch (so
+    `log_every` is refused), `progress` a bar of epochs, and `checkpoint_every` counts epochs.
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
     _check_count("fit", "eval_batches", eval_batches)
@@ -142,7 +142,8 @@ def fit(
                    epochs=epochs, max_seconds=max_seconds, lr_schedule=lr_schedule,
                    eval_loader=eval_loader, eval_every=eval_every, eval_batches=eval_batches,
                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                   eval_first=eval_first)  # fmt: skip
+                   eval_first=eval_first, log_every=log_every, progress=progress)  # fmt: skip
+    log_every = 10 if log_every is None else log_every
     if eval_first and eval_loader is None:  # (Hogbatch's rows are the training loss)
         raise ConfigError("fit: eval_first=True needs an eval_loader")
     _check_last_batch(loader, trainer.config.microbatches, "fit")
@@ -260,7 +261,7 @@ def _check_count(where: str, name: str, value: Any) -> None:
 def _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader) -> None:
     for name, value in (("steps", steps), ("epochs", epochs), ("eval_every", eval_every)):
         _check_count("fit", name, value)
-    if type(log_every) is not int or log_every < 1:
+    if log_every is not None and (type(log_every) is not int or log_every < 1):
         raise ConfigError(f"fit: log_every={log_every!r} must be an int >= 1")
     if steps is not None and epochs is not None:
         raise ConfigError("fit: give steps or epochs, not both")

@@ -152,7 +152,8 @@ class Trainer:
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
         choose.check_supported(cfg.sync, bool(self.offload.optimizer), self.precision,
                                activations_offload=bool(self.offload.activations),
-                               max_grad_norm=self.max_grad_norm)  # fmt: skip
+                               max_grad_norm=self.max_grad_norm,
+                               microbatches=cfg.microbatches)  # fmt: skip
         flight_dir = flight_dir_of(run_dir)
         checkpoint.check_resume(resume)
         layout = Layout(cfg.stages, cfg.data_parallel)

@@ -39,14 +39,21 @@ def check_supported(
     *,
     activations_offload: bool = False,
     max_grad_norm: float | None = None,
+    microbatches: int = 1,
 ) -> None:
     """DASO and EASGD move the parameters outside the optimizer: fp32 masters on the
     device only, for now (an offloaded or half-precision master would not see it).
     Hogbatch's workers train fp32 copies of the whole model with plain SGD steps: no
-    offload, no half precision, no clipping by a global norm."""
+    offload, no half precision, no clipping by a global norm, no microbatches."""
     if sync.name == "allreduce":
         return
     if sync.name == "hogbatch":
+        if microbatches != 1:
+            raise ConfigError(
+                f"Trainer(microbatches={microbatches}) with sync=Hogbatch(...): its workers "
+                f"each train a whole batch of the size the strategy chose (device_batch, "
+                f"cpu_batch), never split; leave microbatches at its default (1)"
+            )
         offload = "OffloadConfig(...)" if optimizer_offload or activations_offload else None
         for field, value, plain in (
             ("offload", offload, None),

@@ -18,12 +18,14 @@ import functools
 import inspect
 import math
 import os
+import sys
 from typing import Any
 
 import torch
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.parametrize import is_parametrized, type_before_parametrizations
 from torch.nn.utils.spectral_norm import SpectralNorm
+from tqdm.auto import tqdm
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
@@ -47,6 +49,7 @@ _WHY = {
     "trainer.optimizer's lr between fit calls",
     "eval_every": "it evaluates eval_loader on a copy of the weights after every epoch",
     "eval_batches": "it evaluates the whole eval_loader dataset after every epoch",
+    "log_every": "it logs a row as each epoch completes, its loss on a copy of the weights",
 }
 
 
@@ -118,6 +121,8 @@ class HogbatchStrategy(Strategy):
                 f"fit(checkpoint_every={every!r}) under sync=Hogbatch counts epochs: an int "
                 f">= 1, with a checkpoint_dir"
             )
+        if args.get("progress") and trainer.rank == 0:
+            hooks = [*hooks, _EpochBar(epochs)]
         lr, wd = check_optimizer(trainer.optimizer, self.params)
         check_model(trainer.module)
         check_loss_fn(trainer.loop.stage.loss_fn)
@@ -216,6 +221,30 @@ class HogbatchStrategy(Strategy):
         self.progress = state["progress"]
         self.device_batch = int(state["controller"]["batch"])
         trainer.steps_done = first + state["updates"]
+
+
+class _EpochBar:
+    """fit(progress=True) under Hogbatch: a tqdm bar on stderr of the epochs completed, with
+    the latest epoch's loss (the workers' updates are no steps the script sees)."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs, self.bar = epochs, None
+
+    def on_fit_start(self, trainer: Any, first_step: int, last_step: int | None) -> None:
+        self.bar = tqdm(total=self.epochs, file=sys.stderr, unit="epoch")
+
+    def on_log(self, trainer: Any, metrics: dict[str, Any]) -> None:
+        if "epoch" in metrics:  # (not eval_first's row)
+            key = "val_loss" if "val_loss" in metrics else "loss"
+            self.bar.set_postfix({key: f"{metrics[key]:.4g}"}, refresh=False)
+            self.bar.update(1)
+
+    def on_checkpoint(self, trainer: Any, path: str, step: int) -> None:
+        pass
+
+    def on_fit_end(self, trainer: Any, history: list[dict[str, Any]]) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:

@@ -85,6 +85,17 @@ def test_the_profile_summary_counts_every_fit_as_its_tracks_do():
     assert len(tracks["hogbatch epoch loss"]) == 3
 
 
+def test_progress_is_a_bar_of_epochs(capsys):
+    model, data, _ = problem(n=64)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(32, 32), adaptive=False, timeout_s=100)
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog) as trainer:
+        trainer.fit(data, epochs=2, progress=False)
+        assert "epoch" not in capsys.readouterr().err
+        rows = trainer.fit(data, epochs=2)  # progress=True, the default: it was ignored
+    err = capsys.readouterr().err
+    assert "2/2" in err and "epoch" in err and f"loss={rows[-1]['loss']:.4g}" in err
+
+
 def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
     model, data, best = problem(n=1024)
     hog = myelin.Hogbatch(cpu_workers=2, cpu_batch=4, device_batch=(32, 256), budget=0.5,
@@ -128,6 +139,7 @@ def test_lock_free_run_reaches_the_optimum_and_reports_its_counters(tmp_path):
         ({"offload": myelin.OffloadConfig(activations=True)}, "offload"),
         ({"precision": "bf16"}, "precision"),
         ({"max_grad_norm": 1.0}, "max_grad_norm"),
+        ({"microbatches": 4}, "microbatches"),  # was accepted, and ignored
     ],
 )
 def test_combinations_that_make_no_sense_name_the_field(kw, field):
@@ -157,6 +169,8 @@ def test_step_steps_and_loaders_are_refused_before_any_worker_starts():
             trainer.step(*data)
         with pytest.raises(ConfigError, match=r"fit\(steps=5\) under sync=Hogbatch"):
             trainer.fit(data, steps=5)
+        with pytest.raises(ConfigError, match=r"fit\(log_every=5\) under sync=Hogbatch.*epoch"):
+            trainer.fit(data, log_every=5)  # was ignored: a row per epoch
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data), 32)
         with pytest.raises(ConfigError, match="not a DataLoader"):
             trainer.fit(loader)
