@@ -208,7 +208,7 @@ class Hogbatch:
             got = f"{w.dtype} of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else w
             raise ConfigError(
                 f"{where}: weights must be the model's {weights} trainable values, a float "
-                f"tensor of shape ({weights},); got {got!r:.100}"
+                f"tensor of shape ({weights},); got {str(got):.100}"
             )
         try:
             Controller(lo=1, hi=1, ratio=1.0, budget=0.0, adaptive=False).load_state_dict(
