@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from myelin.replicas import hogbatch_worker
+from myelin.replicas.hogbatch_model import portable
 from myelin.replicas.hogbatch_store import SharedModel
 from myelin.replicas.hogbatch_worker import _Worker, due_time
 from tests.replicas._problem import problem
@@ -48,7 +49,7 @@ def test_late_wake_ups_do_not_slow_an_emulated_worker(monkeypatch, cost):
     model, (x, y), _ = problem()
     params = [p for p in model.parameters()]
     store = SharedModel.create(params, 2)
-    job = {"model": model, "loss_fn": torch.nn.MSELoss(), "lr": 0.01, "weight_decay": 0.0,
+    job = {"model": portable(model), "loss_fn": torch.nn.MSELoss(), "lr": 0.01, "weight_decay": 0.0,
            "device": "cpu", "threads": 1, "seed": 0, "data_seed": 0, "timeout_s": 10,
            "record": None, "max_staleness": None, "cpu_lr_scale": 1.0,
            "emulate": ((cost, 0.0), (cost, 0.0))}  # fmt: skip
