@@ -78,7 +78,7 @@ def main() -> None:
             print(line, flush=True)
         state = trainer.state_dict()
     if state is not None and args.stages == 2:  # rank 0 holds the whole model's weights
-        model.load_state_dict(state)
+        model.cpu().load_state_dict(state)  # (its stage may have been placed on the GPU)
         print(f"P@1 {p_at_1(model, data, args.features):.3f}")
     if state is not None:
         print(f"ceilings: {data.ceilings}")
@@ -88,9 +88,9 @@ def main() -> None:
 def p_at_1(model: nn.Module, data, num_features: int) -> float:
     """Share of test rows whose top class (exact inference) is one of their labels."""
     model.eval()
-    hits = 0
+    hits, device = 0, next(model.parameters()).device  # one process: the model's device
     for b in data.test.batches(512):
-        top = model(dense(b, num_features)).argmax(1, keepdim=True)
+        top = model(dense(b, num_features).to(device)).argmax(1, keepdim=True).cpu()
         hits += int((b.labels == top).any(1).sum())
     model.train()
     return hits / len(data.test)
