@@ -350,8 +350,8 @@ class Liveness:
         its trainer raised it or its script did: a survivor is never blamed for it); an
         error its trainer told its peers of is a RemoteError, as the abort said; any
         other error in its script loses the peer."""
-        lost = beat.get("lost")
-        if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= 0:
+        lost = beat.get("lost")  # a rank, or -1: the EASGD hub (hub_client.HUB_RANK)
+        if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= -1:
             doing = str(beat.get("lost_doing", "unknown"))
             self.lost = PeerLostError(lost, doing, f"rank {peer.rank} reports: {failed}")
         elif beat.get("told") is True:  # (`told`: its trainer sent its peers an abort)

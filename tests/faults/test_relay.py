@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from myelin.errors import PeerLostError, RemoteError
+from myelin.replicas.hub_client import HUB_RANK
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.liveness import Liveness
 from myelin.runtime.transport import Transport
@@ -63,22 +64,25 @@ def _told(live: Liveness) -> Exception:
     raise AssertionError("rank 0 was never told")
 
 
-@pytest.mark.parametrize("lost", [True, False])
+@pytest.mark.parametrize("lost", [1, HUB_RANK, None])
 def test_a_goodbye_after_a_peer_loss_is_relayed_as_that_loss(lost):
+    """A lost rank, or the EASGD hub (rank -1: the rank that started it sees its process
+    gone first; the others were told "rank 2 failed", a RemoteError), is relayed as lost;
+    any other failure as a RemoteError."""
     transports, lives = _ranks(3)
     try:
-        if lost:
-            why = "rank 2 lost rank 1 (stage 0, replica 1)"
-            cause = PeerLostError(1, "reducing gradients", why)
+        if lost is not None:
+            why = "rank 2 lost rank 1 (stage 0, replica 1)" if lost == 1 else "the hub exited"
+            cause = PeerLostError(lost, "reducing gradients", why)
         else:
             cause = ValueError("a bad batch")
         lives[2].failed = cause
         lives[2].close()
         error = _told(lives[0])
-        if lost:
-            assert type(error) is PeerLostError and error.rank == 1, error
+        if lost is not None:
+            assert type(error) is PeerLostError and error.rank == lost, error
             assert error.doing == "reducing gradients"
-            assert "rank 2 reports: PeerLostError: rank 2 lost rank 1" in str(error)
+            assert f"rank 2 reports: PeerLostError: {why}" in str(error)
         else:
             assert type(error) is RemoteError and error.rank == 2, error
             assert "ValueError: a bad batch" in str(error)

@@ -405,10 +405,14 @@ def case_one():
 
 def case_hub():
     """Four workers on one hub: every exchange conserves x_i + center (eta = 0) in async
-    and hogwild modes; then the hub is killed and every rank raises PeerLostError."""
+    and hogwild modes; then the hub is killed and every rank raises PeerLostError: rank 0
+    sees its process gone and closes its trainer, whose goodbye tells the others (stuck
+    waiting for the hub, whose own silence would take peer_timeout_s = 20 s)."""
     rank, res = int(os.environ["RANK"]), {}
+    patient = myelin.TransportConfig(peer_timeout_s=20.0)
     for mode in ("async", "hogwild"):
-        t = trainer(myelin.EASGD(tau=1, alpha=0.2, mode=mode), lr=0.0)
+        spec = myelin.EASGD(tau=1, alpha=0.2, mode=mode)
+        t = trainer(spec, lr=0.0, transport=patient if mode == "hogwild" else None)
         with torch.no_grad():
             for q in t.module.parameters():
                 q.add_(0.01 * (rank + 1))
@@ -438,6 +442,8 @@ def case_hub():
         res["error"] = type(exc).__name__
         res["after_s"] = time.time() - killed
         res["message"] = str(exc)[:300]
+    if rank == 0:
+        t.close()  # as a script's end would: its goodbye relays the loss (not a failure)
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump({"hub": res}, f)
     deadline = time.time() + 20  # every rank finds the hub gone before an exit is news
