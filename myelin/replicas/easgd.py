@@ -22,11 +22,13 @@ with the elastic term kept out of v; it needs plain torch.optim.SGD as the optim
 (anything else is a ConfigError naming the field: an adaptive optimizer's update, or
 SGD's own momentum, would take a second momentum).
 What the model is: the center x~ (as the papers evaluate it); evaluation, state_dict()
-and checkpoints use it (`model_view`). Gradients are never averaged, and neither is the
-training loss at each step: between exchanges the replicas hold different models, so
-`step()` returns this replica's own loss and no step waits for the others outside its
-exchange; fit's metrics rows (a collective already) report the mean over replicas, and
-evaluation the mean of the center's loss over the replicas' batches.
+and checkpoints use it (`model_view`; under the hub every replica reads it after all
+replicas' exchanges landed, between two barriers over them, so all see one center).
+Gradients are never averaged, and neither is the training loss at each step: between
+exchanges the replicas hold different models, so `step()` returns this replica's own
+loss and no step waits for the others outside its exchange; fit's metrics rows (a
+collective already) report the mean over replicas, and evaluation the mean of the
+center's loss over the replicas' batches.
 """
 
 from __future__ import annotations
@@ -252,15 +254,33 @@ class EasgdReplicas(Strategy):
         """x~ now: this rank's copy (sync) or the hub's."""
         return self.center if self.hub is None else self.hub.read()
 
+    def agreed_center(self) -> torch.Tensor:
+        """x~ as every replica of this stage sees it. Sync: the rounds' all-reduce makes it
+        so. Hub: read once each replica's exchanges (hogwild's pushes too) have landed and
+        before any replica exchanges again (bounded barriers over the replicas), else
+        replicas would evaluate or save different centers, missing a slower one's steps."""
+        if self.hub is None:
+            return self.center
+        self.hub.settle()
+        self._barrier()
+        center = self.hub.read()
+        self._barrier()
+        return center
+
+    def _barrier(self) -> None:
+        if self.replicas > 1:
+            self.comm.all_reduce(torch.zeros(1), self.group, "exchange")
+
     @contextlib.contextmanager
     def model_view(self) -> Iterator[None]:
-        """The parameters hold the center while open; the local x_i come back after."""
+        """The parameters hold the center while open; the local x_i come back after. Every
+        rank must enter it (a collective over the replicas under the hub)."""
         if not self.params or self._viewing:  # nested views: the outer one holds it
             yield
             return
         self._viewing = True
         try:
-            with holding(self.params, self.current_center()):
+            with holding(self.params, self.agreed_center()):
                 yield
         finally:
             self._viewing = False
@@ -305,8 +325,7 @@ class EasgdReplicas(Strategy):
             return
         if self.replica == 0:
             self.hub.set(center)
-        if self.replicas > 1:
-            self.comm.all_reduce(torch.zeros(1), self.group, "exchange")  # a barrier
+        self._barrier()
 
     def close(self) -> None:
         try:  # no collective left in flight on a group about to be destroyed

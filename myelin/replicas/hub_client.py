@@ -201,6 +201,11 @@ class HubClient:
             if msg.step == number:
                 return [t.clone() for t in msg.tensors]
 
+    def settle(self) -> None:
+        """Wait for the answer to every request sent: this client's pushes have landed."""
+        while self.unanswered:
+            self._answer("an earlier push")
+
     def init(self, x: torch.Tensor) -> None:
         """Make the slot x unless another rank made it first."""
         self._put("init", x)

@@ -300,6 +300,7 @@ def test_hub_exchanges_conserve_and_its_death_is_peer_lost_everywhere(tmp_path):
             before, after, exchanges = h[mode]
             assert after == pytest.approx(before, rel=1e-5) and exchanges == 4
             assert h[f"{mode}_traffic"] == ["exchange"]  # no loss average per step
+            assert h[f"{mode}_view_is_final"]  # replica 0's view waited for the others
         assert h["error"] == "PeerLostError", h  # ranks 1-3: rank 0's goodbye relays it
         assert h["after_s"] < 15  # peer_timeout_s is 20 s; the old behaviour was a 300 s wait
         assert "hub" in h["message"]

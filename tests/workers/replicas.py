@@ -405,9 +405,11 @@ def case_one():
 
 def case_hub():
     """Four workers on one hub: every exchange conserves x_i + center (eta = 0) in async
-    and hogwild modes; then the hub is killed and every rank raises PeerLostError: rank 0
-    sees its process gone and closes its trainer, whose goodbye tells the others (stuck
-    waiting for the hub, whose own silence would take peer_timeout_s = 20 s)."""
+    and hogwild modes; a view of the model (evaluation's, state_dict's) waits for the
+    other replicas' exchanges, so all see one center; then the hub is killed and every
+    rank raises PeerLostError: rank 0 sees its process gone and closes its trainer, whose
+    goodbye tells the others (stuck waiting for the hub, whose own silence would take
+    peer_timeout_s = 20 s)."""
     rank, res = int(os.environ["RANK"]), {}
     patient = myelin.TransportConfig(peer_timeout_s=20.0)
     for mode in ("async", "hogwild"):
@@ -428,6 +430,13 @@ def case_hub():
         after = float((x + t.replicas.current_center()).double().sum())
         res[mode] = [before, after, t.replicas.exchanges]
         res[f"{mode}_traffic"] = sorted(t.replicas.traffic())  # the hub's exchanges only
+        if rank > 0:  # replica 0 views the model while the others still exchange
+            time.sleep(0.5)
+            t.step(*batch(t.replica, 4))
+        with t.model_view():
+            seen = flat(t.module)
+        dist.barrier()
+        res[f"{mode}_view_is_final"] = torch.equal(seen, t.replicas.current_center())
         if mode == "async":
             t.close()
     dist.barrier()  # the hogwild trainer's hub is killed now
@@ -435,7 +444,7 @@ def case_hub():
         os.kill(t.replicas.hub.pid, 9)
     killed = time.time()
     try:
-        for step in range(4, 1000):
+        for step in range(5, 1000):
             t.step(*batch(t.replica, step))
         res["error"] = None
     except myelin.MyelinError as exc:
