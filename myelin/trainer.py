@@ -249,7 +249,7 @@ class Trainer:
         trains = self.updater is not None  # a stage without an optimizer has nothing to agree
         params = [p for p in self.module.parameters() if p.requires_grad and trains]
         context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport,
-                          self.optimizer)  # fmt: skip
+                          self.optimizer, tied)  # fmt: skip
         self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
         self.loop = EventLoop(
             stage,

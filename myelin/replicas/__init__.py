@@ -38,6 +38,8 @@ class Context:
     transport: Any = None  # runtime/transport_config.TransportConfig: host, limits, timeouts
     optimizer: Any = None  # this stage's optimizer (None: nothing to train), for strategies
     # that check which optimizers they can run (Hogbatch: plain SGD)
+    tied: Sequence[Any] = ()  # runtime/tied.Tied: this stage's parameters other stages hold
+    # too, which a strategy that moves parameters keeps equal (runtime/tied.equalise)
 
 
 class Strategy:

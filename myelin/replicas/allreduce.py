@@ -10,7 +10,9 @@ same order; what is left is launched when the backwards are done. Then each buck
 (bounded: runtime/bounded.py), divided by the number of replicas and copied back. Both
 paths do the same arithmetic on the same buckets, so their results are equal bit for bit.
 The loop does not arm the overlap on a stage whose tied parameters are summed with another
-stage after the backwards (their gradients are not final when backward ends).
+stage after the backwards (their gradients are not final when backward ends), and after
+this reduction: a tied weight sits at another offset in each stage's buckets, so with 3+
+replicas each stage's ring rounds it its own way; summed after, every holder gets one sum.
 """
 
 from __future__ import annotations

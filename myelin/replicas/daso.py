@@ -48,6 +48,7 @@ from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import Collectives
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
 from myelin.replicas.flat import flatten, holding, unflatten
+from myelin.runtime.tied import equalise
 
 __all__ = ["DASO", "DasoReplicas", "merge_stale", "node_size_for"]
 
@@ -135,8 +136,9 @@ class DasoReplicas(Strategy):
     name = "daso"
 
     def __init__(self, spec: DASO, ctx: Context) -> None:
-        world, layout = ctx.world, ctx.world.layout
-        self.spec, self.params = spec, ctx.params
+        world = self.world = ctx.world
+        layout = world.layout
+        self.spec, self.params, self.tied = spec, ctx.params, list(ctx.tied)
         self.replicas = layout.data_parallel
         self.g = node_size_for(spec, layout.stages, self.replicas)
         self.nodes = self.replicas // self.g
@@ -272,6 +274,7 @@ class DasoReplicas(Strategy):
             total, wait = self._finish(ev.id)
             merge_stale(self.params, total, wait, self.nodes)
         self._broadcast(ev.group)
+        equalise(self.tied, self.world)  # each stage's sum rounded its tied copy its way
 
     def _average(self, ev: Average) -> None:
         """Blocking: the sender group takes the plain average, then every node copies it."""
@@ -280,6 +283,7 @@ class DasoReplicas(Strategy):
             avg = total / self.nodes
             unflatten(avg, self.params)
         self._broadcast(ev.group)
+        equalise(self.tied, self.world)
         self.synced = flatten(self.params)
 
     @contextlib.contextmanager

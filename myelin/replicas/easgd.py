@@ -45,6 +45,7 @@ from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import Collectives
 from myelin.replicas.flat import flatten, holding, unflatten
+from myelin.runtime.tied import equalise
 
 __all__ = ["EASGD", "EasgdReplicas", "MODES", "check_local_sgd"]
 
@@ -136,8 +137,8 @@ class EasgdReplicas(Strategy):
     def __init__(self, spec: EASGD, ctx: Context) -> None:
         if spec.momentum and ctx.optimizer is not None:
             check_local_sgd(spec, ctx.optimizer)  # before any work: the reason, not a wrong run
-        world = ctx.world
-        self.spec, self.params = spec, ctx.params
+        world = self.world = ctx.world
+        self.spec, self.params, self.tied = spec, ctx.params, list(ctx.tied)
         self.replicas, self.replica = world.layout.data_parallel, world.replica
         self.alpha = spec.moving_rate(self.replicas)
         self.group = world.dp_group
@@ -208,6 +209,7 @@ class EasgdReplicas(Strategy):
             return
         # e = alpha (x_i - x~), taken before the step
         unflatten(flatten(self.params).sub_(self._pull), self.params)
+        equalise(self.tied, self.world)  # each stage's center pulled its tied copy its way
 
     def _settle(self) -> None:
         """Wait for the last sync round's sum and move the center by it:
@@ -281,6 +283,7 @@ class EasgdReplicas(Strategy):
         self._viewing = True
         try:
             with holding(self.params, self.agreed_center()):
+                equalise(self.tied, self.world)  # a tied weight: the first holder's center
                 yield
         finally:
             self._viewing = False

@@ -7,9 +7,9 @@ One step of training on one rank:
    `max_inflight` microbatches;
 3. run the ready operation the policy picks (backward first, oldest first);
 4. hand outputs to the transport without waiting for the send;
-5. when every backward of the step has run here, sum the gradients of parameters other
-   stages hold too (tied.py), let the replicas agree (average gradients across
-   data-parallel replicas), step the optimizer, and return the loss.
+5. when every backward of the step has run here, let the replicas agree (average
+   gradients across data-parallel replicas), then sum the gradients of parameters other
+   stages hold too (tied.py), step the optimizer, and return the loss.
 
 Evaluation is the same drive loop under the forward-only policy. `inbox.py` sorts arrived
 messages, `outbox.py` sends outputs, replicas agree through a `myelin/replicas/` strategy.
@@ -157,11 +157,11 @@ class EventLoop:
             raise
         loss = self._mean(self._losses, self.inbox.rows)
         self.flight.now(f"reducing gradients at the end of step {step}")
+        loss = self._agree(loss, train=True)  # before the ties: each stage's rounds its own
         for tie in self.tied:  # each holder applies the same update: the copies stay equal
             start = self.timeline.now()
             sum_gradients(self.updater.grads.holders_of(tie.params), tie.group, self.world.waits)
             self._waited("allreduce", f"{self.stage.index}TIED", start)
-        loss = self._agree(loss, train=True)
         if self.updater is not None:
             self.flight.now(f"in the optimizer step of step {step}")
             self._update(step)

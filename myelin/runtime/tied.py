@@ -12,8 +12,10 @@ once per step, (Σ_i e_i) + (Σ_i h_i), rounds differently. With `tied_grads="mi
 2. the first holder runs its backward of i only once every later holder's piece came, and
    its hook adds them to its own piece, as autograd's input buffer does, before `.grad`
    takes the sum;
-3. at the step's end the holders' gradients are summed as with `"step"`: the first
-   holder's sum plus the others' zeros, so every holder steps with the same gradient.
+3. at the step's end, after the replicas' reduction, the holders' gradients are summed
+   as with `"step"`: the first holder's sum plus the others' zeros, so every holder
+   steps with the same gradient. A strategy that moves parameters itself (EASGD, DASO)
+   then makes the copies the first holder's (`equalise`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tied", "MicrobatchTies"]
+__all__ = ["Tied", "MicrobatchTies", "equalise"]
 
 
 class Tied(NamedTuple):
@@ -33,6 +36,29 @@ class Tied(NamedTuple):
     params: list[nn.Parameter]  # this stage's copies
     holders: tuple[int, ...]  # the stages holding them, in order
     keys: list[int]  # each parameter's position in the whole model's parameter order
+
+
+def equalise(tied: list[Tied], world: Any) -> None:
+    """Every holder's trainable tied copies take the first holder's values (one bounded
+    broadcast per tie). For strategies that move each stage's parameters apart from the
+    optimizer (EASGD's pulls, DASO's averages): each stage's collective (or hub slot)
+    rounds, or orders, its copy differently, and a tied weight must stay one weight."""
+    for tie in tied:
+        params = [p for p in tie.params if p.requires_grad]
+        if not params:  # frozen on every holder alike: never moved
+            continue
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        src = world.layout.rank_of(tie.holders[0], world.replica)
+        begin = lambda: dist.broadcast(flat, src, group=tie.group, async_op=True)  # noqa: B023,E731
+        if world.waits is None:
+            begin().wait()
+        else:
+            world.waits.work(world.waits.start(begin), strict=False)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
 
 
 class MicrobatchTies:

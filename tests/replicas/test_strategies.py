@@ -18,8 +18,8 @@ from tests._procs import launch
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     """One 4-rank job for DASO, sync EASGD and AllReduce's overlap, checkpoints of another
-    strategy or layout, clipping per replica (about 25-40 s on 2 cores)."""
-    cases = ["daso", "easgd", "overlap", "foreign", "clip"]
+    strategy or layout, clipping per replica, tied weights (about 30-45 s on 2 cores)."""
+    cases = ["daso", "easgd", "overlap", "foreign", "clip", "tied"]
     job = launch(4, "replicas.py", cases, tmp_path_factory.mktemp("four"), timeout=360)
     assert job.returncode == 0, job.output[-4000:]
     assert sorted(job.results) == [0, 1, 2, 3]
@@ -372,3 +372,20 @@ def test_async_easgd_resumed_from_allreduce_takes_the_checkpoint_as_center(one):
     f = one["foreign_async"]
     assert f["center_is_checkpoint"] and f["state_dict_is_checkpoint"]
     assert not f["center_is_init"]
+
+
+def test_a_weight_tied_across_stages_stays_one_weight(four):
+    """Async EASGD's hub serves each stage's slot in its own order, and each stage's
+    reduction rounds its own way: the holders' copies stay bit-identical all the same."""
+    for r in four.values():
+        assert r["tied"] == {"async_ordered": True, "allreduce_skewed": True}
+
+
+@pytest.mark.slow  # 8 ranks, 5 trainers and 2 hubs: about 40 s on 2 cores
+def test_a_weight_tied_across_stages_stays_one_weight_with_four_replicas(tmp_path):
+    job = launch(8, "replicas.py", ["tied_all"], tmp_path, timeout=400)
+    assert job.returncode == 0, job.output[-4000:]
+    for r in job.results.values():
+        assert r["tied_all"] == dict.fromkeys(
+            ("allreduce", "daso", "sync", "async", "hogwild"), True
+        ), r

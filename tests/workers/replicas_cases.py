@@ -1,11 +1,14 @@
 """More cases of replicas.py (run through its main, in the same launches): checkpoints of
 another strategy or layout resumed under EASGD and DASO, DASO's epoch length asked before
-any work, and max_grad_norm under strategies whose replicas apply their own gradients.
+any work, max_grad_norm under strategies whose replicas apply their own gradients, and
+a weight tied across stages kept one weight under each strategy.
 
 Each case takes the job's output folder and returns what the tests check.
 """
 
+import functools
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -193,3 +196,113 @@ def daso_warmup_reference(model, step, nodes=2, size=2, max_norm=0.05, lr=0.05):
         clipped_sgd(node, mean, max_norm, lr)
         ends.append(flat(node))
     torch.nn.utils.vector_to_parameters(sum(ends) / nodes, model.parameters())
+
+
+VOCAB, WIDTH = 16, 8
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, emb):
+        super().__init__()
+        self.proj = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.proj.weight = emb.weight  # tied: stage 0's embedding is stage 1's head
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def tied_trainer(sync):
+    """2 stages x (world / 2) replicas of a model whose embedding is tied to its head."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(VOCAB, WIDTH)
+    model = torch.nn.Sequential(emb, torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), _Head(emb))
+
+    def loss(out, y):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+    dp = int(os.environ["WORLD_SIZE"]) // 2
+    opt = functools.partial(torch.optim.SGD, lr=0.5)
+    return myelin.Trainer(model, opt, loss, stages=2, partition=[2, 2], data_parallel=dp,
+                          microbatches=2, sync=sync, timeout=60)  # fmt: skip
+
+
+def tied_copies(t, steps=3):
+    """Train `steps` steps; whether every replica's holders have bit-identical copies of the
+    tied weight, their own and in the model's view (state_dict's, evaluation's)."""
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 * t.replica + s)
+        x, y = (torch.randint(0, VOCAB, (4, 6), generator=g) for _ in range(2))
+        t.step(x, y)
+    tied = next(p for p in t.module.parameters() if p.shape == (VOCAB, WIDTH))
+    own = tied.detach().clone()
+    with t.model_view():
+        view = tied.detach().clone()
+    mine = torch.cat([own.reshape(-1), view.reshape(-1)])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(every[2 * r], every[2 * r + 1]) for r in range(len(every) // 2))
+
+
+class Skewed(myelin.AllReduce):
+    """AllReduce whose reduction rounds stage 1's gradients its own way, as gloo's ring
+    does with 3+ replicas (an element's sum order follows its offset in the bucket, and a
+    tied weight sits at another offset on each stage)."""
+
+    def build(self, ctx):
+        inner = super().build(ctx)
+        reduce, skew = inner.backwards_done, 1 + 2**-20 * ctx.world.stage
+
+        def skewed(params, loss):
+            loss = reduce(params, loss)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(skew)
+            return loss
+
+        inner.backwards_done = skewed
+        return inner
+
+
+def case_tied(out):
+    """4 ranks (2 stages x 2 replicas), a tied embedding: each replica's copies stay
+    bit-identical under async EASGD with the hub serving stage 0's slot in the other
+    replica order than stage 1's (forced through the store), and under an AllReduce whose
+    reduction rounds each stage its own way (the tied gradients are summed after it)."""
+    res = {}
+    t = tied_trainer(myelin.EASGD(tau=1, alpha=0.3, mode="async"))
+    hub, store, count = t.replicas.hub, t.world.store, [0]
+    exchange, first = hub.exchange, 1 - t.stage  # stage 0: replica 1 first; stage 1: 0
+
+    def ordered(x, alpha):
+        key = f"tied-order/{t.stage}/{count[0]}"
+        count[0] += 1
+        if t.replica != first:
+            store.wait([key], timedelta(seconds=60))
+        old = exchange(x, alpha)
+        if t.replica == first:
+            store.set(key, "1")
+        return old
+
+    hub.exchange = ordered
+    res["async_ordered"] = tied_copies(t)
+    t.close()
+    t = tied_trainer(Skewed())
+    res["allreduce_skewed"] = tied_copies(t)
+    t.close()
+    return res
+
+
+def case_tied_all(out):
+    """Each strategy with a tied embedding: every replica's copies bit-identical (with 4
+    replicas: the ring's sum order differs by a tied weight's offset on each stage)."""
+    syncs = {
+        "allreduce": myelin.AllReduce(),
+        "daso": myelin.DASO(node_size=1, epoch_steps=3, warmup_epochs=0, downcast="fp32"),
+        **{m: myelin.EASGD(tau=1, alpha=0.2, mode=m) for m in ("sync", "async", "hogwild")},
+    }
+    res = {}
+    for name, sync in syncs.items():
+        t = tied_trainer(sync)
+        res[name] = tied_copies(t, steps=6)
+        t.close()
+    return res
