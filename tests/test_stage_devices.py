@@ -43,6 +43,25 @@ def test_two_host_stages_with_their_threads_train_like_one_process(tmp_path):
         assert r1["eval"] == pytest.approx(head.loss(model(x), y).item(), rel=1e-5)
 
 
+def test_a_pipeline_built_under_init_empty_materialises_each_stage_as_the_eager_model(tmp_path):
+    # each rank allocates only its stage; the LSHSoftmax stage draws its weights, hash
+    # functions and tables once allocated (building it on meta raised)
+    job = launch(2, "host_stage.py", ["--meta"], tmp_path, timeout=180)
+    assert job.returncode == 0, job.output[-4000:]
+    model = host_stage.build()
+    myelin.init_layers(model, list(model))  # the Linear as the meta path draws it
+    opt = LazyAdam(model.parameters(), lr=0.01)
+    expected = []
+    for s in range(host_stage.STEPS):
+        x, y = host_stage.batch(s)
+        opt.zero_grad()
+        loss = model[2].loss(model[:2](x), y)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert job.results[1]["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 def _trainer(**kw):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     return myelin.Trainer(

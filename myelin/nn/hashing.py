@@ -58,29 +58,32 @@ class Hasher(nn.Module):
         self.bin_size = bin_size
         per_hash = 1 if family == "simhash" else (bin_size - 1).bit_length()
         self.code_bits = bits * per_hash  # a table's code is < 2 ** code_bits
+        self.first_seed, self.per_hash = seed, per_hash  # what `reset` draws again
         # a buffer, so a checkpoint carries the seed its redraws (`redraw`) come from
         self.register_buffer("seed", torch.tensor(seed, dtype=torch.long))
-        for name, value in self._draw(0).items():
-            self.register_buffer(name, value)
+        device = self.seed.device  # "meta" under myelin.init_empty(): shapes, drawn by `reset`
+        for name, value in self._draw(0, seed).items():
+            self.register_buffer(name, value.to(device))
         self.register_buffer("place", torch.arange(bits) * per_hash)  # bit offset of hash k
 
-    def _draw(self, generation: int) -> dict[str, torch.Tensor]:
+    def _draw(self, generation: int, seed: int) -> dict[str, torch.Tensor]:
         """The hash functions of `generation` (0: the first; SLIDE draws new ones now and
-        then): projections (simhash) or coordinates (dwta), and densification's shifts."""
+        then): projections (simhash) or coordinates (dwta), and densification's shifts.
+        Drawn on the CPU whatever the default device, so every device gets the same."""
         purpose = "hash" if generation == 0 else f"hash/{generation}"
-        g = torch.Generator().manual_seed(stream_seed(int(self.seed), purpose))
-        n, dim = self.bits * self.tables, self.dim
+        g = torch.Generator().manual_seed(stream_seed(seed, purpose))
+        n, dim, cpu = self.bits * self.tables, self.dim, torch.device("cpu")
         if self.family == "simhash":
-            projection = torch.randn(dim, n, generator=g)
-            coords = torch.zeros(0, dtype=torch.long)
+            projection = torch.randn(dim, n, generator=g, device=cpu)
+            coords = torch.zeros(0, dtype=torch.long, device=cpu)
         else:
-            projection = torch.zeros(0)
+            projection = torch.zeros(0, device=cpu)
             # (K*L, bin): the coordinates each hash sees
             coords = torch.stack(
-                [torch.randperm(dim, generator=g)[: self.bin_size] for _ in range(n)]
+                [torch.randperm(dim, generator=g, device=cpu)[: self.bin_size] for _ in range(n)]
             )
         # densification: hash j borrows from hash (j + shift[t]) % (K*L) on try t
-        shift = torch.randint(1, max(n, 2), (DENSIFY_TRIES,), generator=g)
+        shift = torch.randint(1, max(n, 2), (DENSIFY_TRIES,), generator=g, device=cpu)
         return {"projection": projection, "coords": coords, "shift": shift}
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:
@@ -101,8 +104,16 @@ class Hasher(nn.Module):
     @torch.no_grad()
     def redraw(self, generation: int) -> None:
         """Replace the hash functions by those of `generation`, in place (device kept)."""
-        for name, value in self._draw(generation).items():
+        for name, value in self._draw(generation, int(self.seed)).items():
             getattr(self, name).copy_(value)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The seed and first hash functions it was built with, again: for a hasher built
+        on the meta device and then allocated (`to_empty`), whose buffers hold garbage."""
+        self.seed.fill_(self.first_seed)
+        self.place.copy_(torch.arange(self.bits) * self.per_hash)
+        self.redraw(0)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -77,11 +77,7 @@ class LSHSoftmax(SeededModule):
         config.check_layer(in_features, num_classes)
         self.config, self.in_features, self.num_classes = config, in_features, num_classes
         self.weight = nn.Parameter(torch.empty(num_classes, in_features))
-        self.bias = nn.Parameter(torch.zeros(num_classes))
-        g = torch.Generator().manual_seed(stream_seed(config.seed, "weight"))
-        bound = 1 / math.sqrt(in_features)
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound, generator=g)
+        self.bias = nn.Parameter(torch.empty(num_classes))
         self.hasher = Hasher(
             config.family, in_features, config.bits, config.tables, config.bin_size, config.seed
         )
@@ -92,16 +88,42 @@ class LSHSoftmax(SeededModule):
         # classes active in training since the last build: the only rows that can have moved
         self.register_buffer("moved", torch.zeros(num_classes, dtype=torch.bool))
         self.active = torch.zeros(0, dtype=torch.long)
-        # what happened in this process (not saved): rehashes, probes, last probe's change,
-        # the last active set's size and its labels, retrieved (not labels) and floor classes
+        # what happened in this process (not saved): rebuilds after the first build, probes,
+        # last probe's change, the last active set's size and its labels, retrieved (not
+        # labels) and floor classes
         self.stats = {"rebuilds": 0, "redraws": 0, "checks": 0, "last_change": 0.0}
         self.stats.update(last_active=0, last_labels=0, last_retrieved=0, last_floor=0)
-        self.rebuild()
+        # built on the meta device (myelin.init_empty): shapes only until reset_parameters
+        self._unbuilt = self.weight.is_meta
+        if not self._unbuilt:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw the weights, hash functions and tables of `config.seed` as a new layer does:
+        torch's hook, which myelin calls on a layer built under `init_empty` once allocated."""
+        if self.weight.is_meta:  # nothing to draw into yet
+            return
+        g = torch.Generator().manual_seed(stream_seed(self.config.seed, "weight"))
+        bound = 1 / math.sqrt(self.in_features)
+        # drawn on the CPU, so every device and dtype starts from the same numbers
+        self.weight.copy_(torch.empty(self.weight.shape).uniform_(-bound, bound, generator=g))
+        self.bias.zero_()
+        self.hasher.reset()
+        self.tables.reset()
+        self._reseed(stream_seed(self.config.seed, "floor"))
+        self.steps.zero_()
+        self.draws.zero_()
+        self.active = torch.zeros(0, dtype=torch.long)
+        self._unbuilt = False
+        self._build()
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any, **kw: Any) -> None:
         # checkpoints from before hash redraws: no redraw yet (as BatchNorm's counter)
         state_dict.setdefault(prefix + "draws", torch.zeros((), dtype=torch.long))
         super()._load_from_state_dict(state_dict, prefix, *args, **kw)
+        if prefix + "tables.keys" in state_dict:  # the checkpoint's tables and hash functions
+            self._unbuilt = False
 
     def extra_repr(self) -> str:
         c = self.config
@@ -113,9 +135,22 @@ class LSHSoftmax(SeededModule):
     @torch.no_grad()
     def rebuild(self) -> None:
         """Rehash every class into the tables (after the weights were changed by hand)."""
+        self._build()
+        self.stats["rebuilds"] += 1
+
+    @torch.no_grad()
+    def _build(self) -> None:
+        """Hash every class into the tables; no class has moved since."""
         self.tables.build(self.weight)
         self.moved.zero_()
-        self.stats["rebuilds"] += 1
+
+    def _check_built(self) -> None:
+        """A layer built under init_empty has no tables until reset_parameters draws them."""
+        if getattr(self, "_unbuilt", False):  # absent from modules pickled before it
+            raise ConfigError(
+                "LSHSoftmax was built on the meta device (myelin.init_empty) and never "
+                "initialised: call its reset_parameters() once allocated, or load a checkpoint"
+            )
 
     # -- training ------------------------------------------------------------------
 
@@ -133,6 +168,8 @@ class LSHSoftmax(SeededModule):
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Training: the active-set softmax loss of hidden `output` (B, in_features).
         Eval: the exact soft-target cross-entropy of logits `output` (B, num_classes)."""
+        self._check_built()
+        self._check_output(output)
         labels = _as_label_matrix(labels, output.shape[0], self.num_classes)
         if not self.training:
             return soft_target_loss(output, labels)
@@ -153,6 +190,16 @@ class LSHSoftmax(SeededModule):
         logits = torch.addmm(b, output.to(w.dtype), w.t())  # (B, A), in the layer's dtype
         pos = torch.where(labels >= 0, where[labels.clamp(min=0)], labels)
         return soft_target_loss(logits, pos)
+
+    def _check_output(self, output: torch.Tensor) -> None:
+        """`loss` takes what forward returns: h (B, in_features) in training, logits in eval."""
+        if self.training:
+            want, what = self.in_features, "the hidden activations forward returns in training"
+        else:
+            want, what = self.num_classes, "the logits forward returns in eval mode"
+        if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[1] != want:
+            got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ConfigError(f"loss: output {got} must be (B, {want}), {what}")
 
     def _retrieve(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The (class, row) pairs the tables return for `h`, each held by at least
@@ -194,6 +241,7 @@ class LSHSoftmax(SeededModule):
     def logits(self, h: torch.Tensor, inference: str | None = None) -> torch.Tensor:
         """(B, num_classes) logits: all of them ("exact"), or only each row's retrieved
         classes with -inf elsewhere ("lsh")."""
+        self._check_built()
         mode = self.config.inference if inference is None else inference
         if mode not in INFERENCE:
             raise ConfigError(f"inference={mode!r} must be one of {INFERENCE}")
@@ -225,6 +273,8 @@ def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     In fp32 or wider: bf16 and fp16 logits are raised to fp32, float64 ones kept."""
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), 1)
     valid = labels >= 0
+    if logp.shape[1] == 0 and not valid.any():  # no class (an empty active set): all padding
+        return logp.sum(1).mean()  # 0, and a gradient of zeros
     # a pad gathers class 0, whose log p may be -inf (LSH inference): masked, not * 0 (nan)
     picked = logp.gather(1, labels.clamp(min=0)).masked_fill(~valid, 0.0)
     count = valid.sum(1).clamp(min=1)
@@ -234,8 +284,10 @@ def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 def _as_label_matrix(labels: Any, rows: int, num_classes: int) -> torch.Tensor:
     """Labels as (B, M) int64 with -1 padding; a (B,) vector is one label per row. A
     label repeated within a row counts once (SLIDE's target is 1/|Y| over the label set)."""
-    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point:
+    if not isinstance(labels, torch.Tensor):
         raise ConfigError(f"labels must be an integer tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ConfigError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
     labels = labels.long()
     if labels.dim() == 1:
         labels = labels[:, None]

@@ -81,7 +81,7 @@ class LazyAdam(torch.optim.Optimizer):
                 )
             grad = grad.coalesce()
             rows = grad.indices()[0]
-            g = grad.values().reshape(rows.numel(), -1)
+            g = grad.values().reshape(rows.numel(), rows_of.shape[1])  # no rows: (0, d)
         else:
             rows = None
             g = grad.reshape(rows_of.shape)

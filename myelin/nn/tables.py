@@ -33,6 +33,11 @@ class SeededModule(nn.Module):
         self._gen = torch.Generator().manual_seed(seed)
         self.register_buffer("rng_state", self._gen.get_state())
 
+    def _reseed(self, seed: int) -> None:
+        """The generator of `seed` again, as `_seed` made it (the buffer kept in step)."""
+        self._gen.manual_seed(seed)
+        self.rng_state.copy_(self._gen.get_state())
+
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         self.rng_state.copy_(self._gen.get_state())
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -53,7 +58,14 @@ class LSHTables(SeededModule):
         self.register_buffer("keys", torch.zeros(n, dtype=torch.long))
         self.register_buffer("ids", torch.zeros(n, dtype=torch.int32))
         self.register_buffer("builds", torch.zeros((), dtype=torch.long))
+        self.first_seed = seed
         self._seed(stream_seed(seed, "buckets"))  # the bucket order's generator
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Unbuilt, the bucket order's generator as first seeded (a meta-built layer's)."""
+        self.builds.zero_()
+        self._reseed(stream_seed(self.first_seed, "buckets"))
 
     def _table_base(self) -> torch.Tensor:
         """(L,) the key offset of each table: table l's keys are l * 2**code_bits + code."""

@@ -156,11 +156,12 @@ def test_rebuild_follows_weight_movement_not_the_clock():
     h, labels = torch.relu(torch.randn(4, H)), _labels(4)
     for _ in range(10):  # the weights do not move: probes, no rebuild
         head(h, labels)
-    assert head.stats["checks"] == 10 and head.stats["rebuilds"] == 1
+    # the build at construction is not a rebuild (the example printed "rebuilds 1" for none)
+    assert head.stats["checks"] == 10 and head.stats["rebuilds"] == 0
     with torch.no_grad():
         head.weight.add_(torch.randn_like(head.weight))
     head(h, labels)
-    assert head.stats["rebuilds"] == 2 and head.stats["last_change"] > 0.05
+    assert head.stats["rebuilds"] == 1 and head.stats["last_change"] > 0.05
     assert torch.equal(head.tables.codes, head.hasher(head.weight))
 
 
@@ -180,7 +181,7 @@ def test_rows_that_training_moved_stay_retrievable_for_their_queries():
     with torch.no_grad():
         head.weight[labels[:, 0]] = queries  # ... and move onto their queries
     head(queries, labels)  # the next step's probe sees them
-    assert head.stats["rebuilds"] == 2 and head.stats["last_change"] > 0.5
+    assert head.stats["rebuilds"] == 1 and head.stats["last_change"] > 0.5
     ids, row = head.tables.query(head.hasher(queries))
     found = [bool(((ids == int(t)) & (row == i)).any()) for i, t in enumerate(labels[:, 0])]
     assert all(found)
@@ -219,7 +220,7 @@ def test_checkpoint_resume_restores_layer_optimizer_state_and_tables():
     _train(head, opt, 6, seed=0)
     saved = _saved(head, opt)
     _train(head, opt, 6, seed=1)
-    assert head.stats["rebuilds"] > 2  # tables were rebuilt along the way
+    assert head.stats["rebuilds"] > 1  # tables were rebuilt along the way
 
     other, other_opt = fresh()
     _train(other, other_opt, 1, seed=5)  # different state before loading

@@ -1,7 +1,9 @@
 """A 2-stage pipeline ending in an LSHSoftmax, each stage placed by `stage_devices`.
 
-Run by tests/test_stage_devices.py as `myelin run -n 2 host_stage.py --out DIR`; each rank
-writes its device, its torch thread count, the step losses and an eval loss.
+Run by tests/test_stage_devices.py as `myelin run -n 2 host_stage.py --out DIR [--meta]`;
+each rank writes its device, its torch thread count, the step losses and an eval loss.
+With --meta the model is built under myelin.init_empty() and each rank materialises its
+stage (the reference: `build()` given `myelin.init_layers`).
 """
 
 import argparse
@@ -35,8 +37,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--meta", action="store_true")
     args = parser.parse_args()
-    model = build()
+    if args.meta:
+        with myelin.init_empty():
+            model = build()
+    else:
+        model = build()
     head = model[2]
     with myelin.Trainer(
         model,
