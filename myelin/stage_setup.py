@@ -4,6 +4,7 @@ start from, and the global-norm clip that spans every stage."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from myelin.runtime.clip import GlobalNorm, norm_slots
 from myelin.runtime.group import World, new_groups
 
 __all__ = ["PreparedStage", "prepare_stage"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,6 +65,14 @@ def prepare_stage(
     names = [local_names[n] for n, p in module.named_parameters() if p.requires_grad]
     # Masters start from the fp32 weights, not from their half-precision rounding.
     initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
+    if any(p.dtype == torch.float64 for p in module.parameters()):
+        log.warning(
+            "rank %d: the model's float64 parameters train as %s (precision=%r): myelin's "
+            "precisions are fp32, bf16 and fp16",
+            world.rank,
+            dtype,
+            precision,
+        )
     module.to(dtype)
     for m in module.modules():  # running statistics stall in half precision: fp32, as autocast
         if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -310,3 +310,14 @@ def test_batchnorm_stays_fp32_under_half_precision(precision):
             assert bn.weight.dtype == torch.float32 and bn.running_var.dtype == torch.float32
     finally:
         t.close()
+
+
+def test_a_float64_model_is_said_to_train_in_the_precision_given(caplog):
+    model = nn.Sequential(nn.Linear(4, 2)).double()
+    with caplog.at_level("WARNING", logger="myelin.stage_setup"):
+        t = myelin.Trainer(model, functools.partial(torch.optim.SGD, lr=0.1), F.mse_loss)
+    try:
+        assert "float64 parameters train as torch.float32" in caplog.text
+        assert all(p.dtype == torch.float32 for p in t.module.parameters())
+    finally:
+        t.close()
