@@ -9,9 +9,8 @@ when another rank failed, is raised as its reason instead of killing the rank si
 the one line. Either way the rank writes its flight record wherever the signal found it
 and tells the launcher where (runtime/launched.py). Once the interpreter exits, SIGTERM is
 ignored: the rank is ending anyway, and an error raised in an exit handler would only cut
-its goodbye short. After a failure the pipeline is broken: every later call says so;
-except on a trainer of one rank, where a step whose update had not begun (a bad input, a
-full memory pool, Ctrl-C) is forgotten, and the trainer stays usable with its model unchanged.
+its goodbye short. After a failure the pipeline is broken: every later call says so
+(a trainer of one rank forgets a step whose update had not begun: retry.py).
 """
 
 from __future__ import annotations
@@ -42,9 +41,13 @@ from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.liveness import Liveness, fresh
 from myelin.runtime.transport import Transport
 
-__all__ = ["Failures", "forget_step"]
+__all__ = ["Failures"]
 
 log = logging.getLogger(__name__)
+
+# Errors about the caller's own arguments or files, which every rank typically raises alike:
+# not a failure of the pipeline to tell the peers and the launcher of.
+_OWN = (ConfigError, CheckpointError)
 
 
 class Failures:
@@ -82,7 +85,7 @@ class Failures:
     def script_failed(self, error: Exception) -> None:
         """The script raised inside `with Trainer(...)`: with peers, this rank failed (they
         are told now, as of a failed step, and close gathers nothing), not a clean close."""
-        if self.world_size > 1 and self.failed is None:
+        if self.world_size > 1 and self.failed is None and not isinstance(error, _OWN):
             self.fail(error, "its script, inside `with Trainer(...)`")
 
     def describe(self, exc: BaseException, doing: str) -> BaseException:
@@ -240,18 +243,3 @@ class Failures:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
         self._old.clear()
-
-
-def forget_step(loop: Any, training: bool) -> bool:
-    """Drop what a failed step left (activations, partial gradients), so the next starts
-    clean; True when it had not begun its update (`training`), so the model is unchanged."""
-    updater = loop.updater
-    unchanged = not training or updater is None or not updater.changed
-    loop.stage.clear()
-    if loop.ties is not None:
-        loop.ties.clear()
-    if updater is not None and training:
-        updater.zero_grad()
-    if loop.budget is not None:
-        loop.budget.set("gradients", 0, "")
-    return unchanged

@@ -129,7 +129,7 @@ def fit(
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
     _check_count("fit", "eval_batches", eval_batches)
-    if callable(callbacks) or not isinstance(callbacks, (list, tuple)):
+    if callable(callbacks) or isinstance(callbacks, str) or not isinstance(callbacks, Iterable):
         raise ConfigError(f"fit: callbacks={callbacks!r} must be a list of callbacks")
     _check_checkpoint_args(checkpoint_dir, checkpoint_every, lr_schedule)
     if uneven not in _UNEVEN:

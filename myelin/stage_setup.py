@@ -73,12 +73,21 @@ def prepare_stage(
             dtype,
             precision,
         )
-    module.to(dtype)
-    for m in module.modules():  # running statistics stall in half precision: fp32, as autocast
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.float()
+    _cast(module, dtype)
     layers = [stage_keys(m).layers for m in stages]
     return PreparedStage(module, tied, state_layout, layers, names, initial, clip, dtype)
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> None:
+    """`module.to(dtype)`, but BatchNorm layers keep their fp32 weights and running
+    statistics (as under autocast; in half precision a running mean stops moving once its
+    updates fall under its rounding), their values untouched."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    kept = [{k: v.detach().float().clone() for k, v in m.state_dict().items()} for m in norms]
+    module.to(dtype)
+    for m, state in zip(norms, kept, strict=True):
+        m.float()
+        m.load_state_dict(state)
 
 
 def _global_norm(max_norm: float, stages: list[Any], world: World, sync: Any) -> GlobalNorm:

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint, collector, compiled, hf, pretrained, teardown
+from myelin import checkpoint, collector, compiled, hf, pretrained, retry, teardown
 from myelin import fit as fit_loop
 from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
-from myelin.failures import Failures, forget_step
+from myelin.failures import Failures
 from myelin.microbatch import split_batch, uneven_rows
 from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
@@ -393,14 +393,12 @@ class Trainer:
         mb_targets = split_batch(targets, m, "targets")
         rows = uneven_rows(targets if targets is not None else inputs, m)
         self._failures.enter(where)
+        saved = retry.savepoint(self)  # one rank alone forgets a step its update had not begun
         try:
             loss = run(self.seq, mb_inputs, mb_targets, rows)
-        except BaseException as exc:  # one rank alone forgets a step its update had not begun
-            alone = self.world.layout.world_size == 1 and isinstance(
-                exc, Exception | KeyboardInterrupt
-            )
-            passing = alone and forget_step(self.loop, training=run == self.loop.run_step)
-            self._failures.raise_failed(exc, where, passing)
+        except BaseException as exc:
+            forgotten = retry.forget_step(self, saved, exc, training=run == self.loop.run_step)
+            self._failures.raise_failed(exc, where, forgotten)
         self.seq += 1
         return loss
 

@@ -124,3 +124,73 @@ def test_a_step_that_failed_in_its_update_breaks_the_trainer():
             trainer.step(torch.randn(4, 4), torch.randn(4, 2))
     finally:
         trainer.close()
+
+
+def test_a_step_refused_after_a_good_one_is_forgotten_too():
+    """The flag that says the update began is reset before anything of a step can fail."""
+    trainer = _trainer("none")
+    try:
+        x, y = _batches(1)[0]
+        trainer.step(x, y)
+        with pytest.raises(myelin.ConfigError, match="needs the targets"):
+            trainer.step(x, None)
+        trainer.step(x, y)
+    finally:
+        trainer.close()
+
+
+def _bn_dropout_trainer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 4))
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    return myelin.Trainer(model, sgd, nn.functional.mse_loss, microbatches=2)
+
+
+def test_running_statistics_and_random_streams_come_back_with_a_forgotten_step():
+    batches = _batches(3)
+    ref = _bn_dropout_trainer()
+    want = [ref.step(x, y) for x, y in batches]
+    ref_state = ref.state_dict()
+    ref.close()
+    trainer = _bn_dropout_trainer()
+    try:
+        got = [trainer.step(*batches[0])]
+        x, y = batches[1]
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            trainer.step([x[:4], torch.randn(4, 9)], [y[:4], y[4:]])  # after mb 0's forward
+        got += [trainer.step(x, y) for x, y in batches[1:]]
+        assert got == want
+        for k, v in trainer.state_dict().items():
+            assert torch.equal(v, ref_state[k]), k
+    finally:
+        trainer.close()
+
+
+def test_the_loss_scale_comes_back_with_a_forgotten_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    offload = myelin.OffloadConfig(
+        optimizer=True, host_memory_limit="3MiB", slab_bytes="1MiB", bucket_bytes="300KiB"
+    )
+    adam = functools.partial(torch.optim.Adam, lr=1e-2)
+    trainer = myelin.Trainer(model, adam, nn.functional.mse_loss, precision="fp16", offload=offload)
+    try:
+        before = trainer.updater.scaler.state_dict()
+        for _ in range(2):  # Adam's state does not fit: the update never begins
+            with pytest.raises(myelin.HostMemoryError):
+                trainer.step(torch.randn(8, 256), torch.randn(8, 256))
+        assert trainer.updater.scaler.state_dict() == before
+    finally:
+        trainer.close()
+
+
+def test_an_argument_error_inside_a_with_block_is_not_a_pipeline_failure(tmp_path):
+    """Every rank raises it alike: it is not told to the peers and the launcher as a
+    failure (no flight record, no abort), as an error of the script's own is."""
+    from myelin.failures import Failures
+
+    failures = Failures(0, 2, tmp_path)
+    failures.script_failed(myelin.ConfigError("fit: steps=0 must be an int >= 1"))
+    assert failures.failed is None and not list(tmp_path.iterdir())
+    failures.script_failed(RuntimeError("the script's own"))
+    assert isinstance(failures.failed, RuntimeError)

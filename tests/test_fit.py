@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -224,6 +225,14 @@ def test_bad_new_fit_arguments_are_named(kwargs, message):
     with trainer() as t, pytest.raises(ConfigError, match=message):
         t.fit(DataLoader(data(), batch_size=8), progress=False, **kwargs)
     assert t.steps_done == 0
+
+
+def test_callbacks_may_be_any_iterable_of_callbacks():
+    seen = []
+    with trainer() as t:
+        t.fit(DataLoader(data(), batch_size=8), steps=2, log_every=1, progress=False,
+              callbacks=collections.deque([lambda tr, row: seen.append(row["step"])]))  # fmt: skip
+    assert seen == [1, 2]
 
 
 @pytest.mark.parametrize("max_batches", [0, -1, 1.5])

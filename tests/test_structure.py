@@ -42,6 +42,7 @@ LAYERS = {
         "myelin.config",
         "myelin.placement",
         "myelin.failures",
+        "myelin.retry",
         "myelin.microbatch",
         "myelin.fit",
         "myelin.callbacks",

@@ -138,13 +138,14 @@ class EventLoop:
         averaged over data-parallel replicas, the same on every rank.
         """
         stage = self.stage
+        if self.updater is not None:
+            self.updater.changed = False  # (first: a step failed before it changed nothing)
         ready, local = self._begin(step, inputs, targets, rows)
         self._losses: dict[int, float | torch.Tensor] = {}  # a tensor: this stage's own
         if stage.activations is not None:
             stage.activations.begin_step()
-        if self.updater is not None:
-            self.updater.changed = False
-            stage.loss_scale = self.updater.scaler.scale if self.updater.scaler else 1.0
+        if self.updater is not None and self.updater.scaler is not None:
+            stage.loss_scale = self.updater.scaler.scale
         self.policy.begin_step(ready)
         self.inbox.begin(step, ready, local)  # takes what came early for this step
         try:

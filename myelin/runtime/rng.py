@@ -109,6 +109,14 @@ class LayerStreams:
             if self.cuda is not None:
                 torch.cuda.set_rng_state(user["cuda"], self.cuda)
 
+    def mark(self) -> dict[int | str, dict[str, torch.Tensor]]:
+        """Where every stream is now (cheap: a state is replaced, never changed in place)."""
+        return {k: dict(s) for k, s in self._states.items()}
+
+    def rewind(self, mark: dict[int | str, dict[str, torch.Tensor]]) -> None:
+        """Put every stream back where `mark` found it (a step that is forgotten)."""
+        self._states = {k: dict(s) for k, s in mark.items()}
+
     # -- checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
