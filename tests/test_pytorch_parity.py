@@ -321,3 +321,21 @@ def test_a_float64_model_is_said_to_train_in_the_precision_given(caplog):
         assert all(p.dtype == torch.float32 for p in t.module.parameters())
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_batchnorm_keeps_its_exact_fp32_values_under_half_precision(precision):
+    """Not a round trip through half precision: a loaded model's statistics stay as saved."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.123456789)
+        model[1].weight.fill_(1.001)
+    want = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("1.")}
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    t = myelin.Trainer(model, sgd, F.mse_loss, precision=precision)
+    try:
+        state = t.state_dict()
+        for k, v in want.items():
+            assert torch.equal(state[k], v), k
+    finally:
+        t.close()
