@@ -68,6 +68,7 @@ class Checkpointable(Protocol):
     resumed_scheduler_state: Any  # set on load: the saved scheduler's, for one built later
     stage_layers: list[tuple[int, int] | None]  # the layers each stage holds
     steps_done: int  # training steps
+    seconds_trained: float  # fit's time so far (a time budget's share goes on after a resume)
     seq: int  # training and evaluation steps: the step number the next messages carry
     # (optional) replicas: the running replica strategy, whose state and model view count
 
@@ -87,6 +88,7 @@ def save(
         "stage": world.stage,
         "replica": world.replica,
         "steps_done": trainer.steps_done,
+        "seconds_trained": trainer.seconds_trained,
         "seq": trainer.seq,
         **reshard.capture(trainer.module, trainer.updater, trainer.streams, trainer.lr_scheduler),
         "rng": _rng_state(),
@@ -173,6 +175,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
     first = shards[0]
     _set_rng_state(first["rng"])
     trainer.steps_done = first["steps_done"]
+    trainer.seconds_trained = first.get("seconds_trained", 0.0)  # (absent: an older one)
     trainer.seq = first["seq"]
     return first["extra"]
 
@@ -276,6 +279,7 @@ def _load_by_stage(trainer: Checkpointable, vdir: Path, manifest: dict[str, Any]
         strategy.load_state_dict(_strategy_state(strategy, state))
     _set_rng_state(shard["rng"])
     trainer.steps_done = shard["steps_done"]
+    trainer.seconds_trained = shard.get("seconds_trained", 0.0)
     trainer.seq = shard["seq"]
     trainer.resumed_scheduler_state = shard["extra"].get("scheduler")  # fit kept it there
     return shard["extra"]

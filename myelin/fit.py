@@ -48,6 +48,7 @@ class Trainable(Protocol):
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any
     steps_done: int
+    seconds_trained: float  # fit's time so far, over every fit and the run it resumed
     seq: int  # training and evaluation steps run: the step number spans and messages carry
     resumed_extra: dict[str, Any] | None
 
@@ -99,6 +100,9 @@ def fit(
 
     max_seconds: stop after the step during which this much time has passed on any rank;
         the ranks agree (an all-reduce of the time used each step), so all stop together.
+        The schedule's time share counts the trainer's time before this fit too
+        (`trainer.seconds_trained`, which checkpoints carry): a resumed run given what is
+        left of its budget anneals on from where it stopped.
     lr_schedule: called with this stage's optimizer, returns a torch LR scheduler stepped
         after every step. One with a `progress` attribute is told, before each step(),
         the share of the run done: max(steps share, time share), so a run that time cuts
@@ -169,7 +173,7 @@ def fit(
     history: list[dict[str, Any]] = []
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)
-    start = time.monotonic()
+    start, before = time.monotonic(), trainer.seconds_trained
     try:
         if eval_first and eval_loader is not None:
             history.append(
@@ -186,8 +190,11 @@ def fit(
             meter.add(loss, tokens, time.perf_counter() - t0)
             step, lr = trainer.steps_done, _lr(trainer)
             used = _time_used(trainer, start, max_seconds, waits)
-            if scheduler is not None:
-                _advance(scheduler, max(step / final if final else 0.0, used))
+            spent = used * max_seconds if max_seconds else time.monotonic() - start
+            trainer.seconds_trained = before + spent
+            if scheduler is not None:  # the run's time share: this fit's and the time before
+                timed = (before + spent) / (before + max_seconds) if max_seconds else 0.0
+                _advance(scheduler, max(step / final if final else 0.0, timed))
             last = done == total or used >= 1.0 or end  # end: a loader without len() ran out
             val = None
             if eval_loader is not None and (last or (eval_every and step % eval_every == 0)):

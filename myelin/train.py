@@ -194,12 +194,15 @@ def _train_steps(cfg: TrainConfig, trainer: Trainer, data: TextData, run_log: Ru
     train_set = Batches(data.train, cfg.block_size, cfg.batch, cfg.seed, ("train", trainer.replica))
     val_set = Batches(data.val, cfg.block_size, cfg.batch, cfg.seed, ("val", trainer.replica))
     first = trainer.steps_done  # resumed: where it left off; batch i follows i steps
-    if first >= cfg.steps:
+    left_s = cfg.max_minutes * 60 - trainer.seconds_trained  # resumed: what is left of it
+    if first >= cfg.steps or left_s <= 0:
+        if left_s <= 0 and run_log.leader:
+            _say(f"stopped at step {first} of {cfg.steps}: max_minutes={cfg.max_minutes} used")
         return
     trainer.fit(
         (train_set.get(i) for i in itertools.count(first)),
         steps=cfg.steps - first,
-        max_seconds=cfg.max_minutes * 60,
+        max_seconds=left_s,
         lr_schedule=functools.partial(
             WarmupCosine, warmup_steps=cfg.warmup_steps, floor=cfg.min_lr / cfg.lr
         ),

@@ -274,6 +274,7 @@ class Trainer:
             self.sampler = Sampler(world.device, self._profile.interval_s, self.timeline.origin)
             self.sampler.start()
         self.steps_done = 0  # training steps
+        self.seconds_trained = 0.0  # fit's time, in its checkpoints: a resumed budget goes on
         self.seq = 0  # training and evaluation steps: the step number messages carry
 
     def set_lr_schedule(self, lr_schedule: Callable[[torch.optim.Optimizer], Any]) -> Any:

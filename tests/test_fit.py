@@ -199,6 +199,44 @@ def test_a_time_budget_stops_training_and_tells_the_schedule_its_progress():
     assert seen[0] == 0.0 and seen[1] > 1.0  # built, then told: the time share, over 1
 
 
+def test_a_resumed_time_budget_anneals_on_from_where_it_stopped(tmp_path, monkeypatch):
+    """The time share counts the trainer's time before the fit (checkpointed), so a run
+    resumed with what is left of its budget goes on from its share, not from 0."""
+    clock = {"now": 0.0}
+
+    def tick():  # every reading of the clock is one second later
+        clock["now"] += 1.0
+        return clock["now"]
+
+    seen = []
+
+    class Progress(torch.optim.lr_scheduler.LambdaLR):
+        def __init__(self, opt):
+            self.progress = 0.0
+            super().__init__(opt, lambda step: 1.0)
+
+        def step(self, epoch=None):
+            seen.append(self.progress)
+            super().step(epoch)
+
+    monkeypatch.setattr("myelin.fit.time.monotonic", tick)
+    loader = DataLoader(data(), batch_size=8)
+    with trainer() as t:  # 4 steps of a 1000 s budget, then a checkpoint
+        t.fit(loader, steps=4, max_seconds=1000, progress=False, checkpoint_dir=tmp_path)
+        spent = t.seconds_trained
+    assert 4 <= spent < 100  # (every reading of the clock, anywhere, ticks)
+    with Trainer(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        SGD, F.cross_entropy, microbatches=2, resume=tmp_path,
+    ) as resumed:  # fmt: skip
+        assert resumed.seconds_trained == spent
+        resumed.fit(loader, steps=10_000, max_seconds=1000 - spent, lr_schedule=Progress,
+                    progress=False)  # fmt: skip  # (stops when the 1000 s are used)
+        assert 1000 <= resumed.seconds_trained < 1100
+    share = seen[1]  # the first step's: (spent + its time) / 1000, not its time alone
+    assert spent / 1000 < share < (spent + 100) / 1000
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
