@@ -63,9 +63,15 @@ class Failures:
         self.liveness: Liveness | None = None
         self.budget: DeviceBudget | None = None
         self._old: dict[int, Any] = {}  # signal -> the handler that was there before
+        self.signalled: BaseException | None = None  # raised by a handler, maybe swallowed
 
     def enter(self, where: str) -> None:
-        """The rank starts a step or evaluation (`where`, e.g. "training step 3")."""
+        """The rank starts a step or evaluation (`where`, e.g. "training step 3"). A
+        signal's error that Python swallowed (raised inside a weakref callback or a
+        destructor, where exceptions are only printed) is raised here, at the latest."""
+        if self.signalled is not None:
+            error, self.signalled = self.signalled, None
+            raise error
         if self.liveness is not None:
             self.liveness.where = where
 
@@ -136,6 +142,8 @@ class Failures:
     def raise_failed(self, exc: BaseException, doing: str, passing: bool = False) -> NoReturn:
         """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself. A
         `passing` failure (one rank's, which it recovered from) is named but breaks nothing."""
+        if exc is self.signalled:  # it came through: no need to raise it again
+            self.signalled = None
         if passing:
             self.flight.note(f"failed in {doing}, forgotten: {type(exc).__name__}")
         error = self.describe(exc, doing) if passing else self.fail(exc, doing)
@@ -216,6 +224,7 @@ class Failures:
             )
         self.flight.note(f"signal {signal.Signals(signum).name}: {type(error).__name__}")
         self.record(error)
+        self.signalled = error
         raise error
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
@@ -230,6 +239,7 @@ class Failures:
                 previous(kind, value, tb)
 
         sys.excepthook = quiet
+        self.signalled = error
         raise error
 
     def _stopped(self) -> None:

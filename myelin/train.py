@@ -43,7 +43,6 @@ from myelin.metrics import all_reduce
 from myelin.models.gpt import lm_loss
 from myelin.profile.config import ProfileConfig
 from myelin.profile.records import write_json
-from myelin.profile.report import gather_report
 from myelin.train_config import TrainConfig, add_arguments, config_from_args, read_toml, to_argv
 from myelin.trainer import Trainer
 
@@ -77,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `myelin train`: launch the ranks when started alone, else train as this rank."""
     try:
         cfg = config_from_args(args)
+        _make_out(cfg)
         if "RANK" in os.environ or cfg.world_size == 1:
             train(cfg)
             return 0
@@ -88,6 +88,16 @@ def main(args: argparse.Namespace) -> int:
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=str(new_run_dir()))
     return launch(cfg.world_size, "myelin.train", to_argv(cfg), module=True)
+
+
+def _make_out(cfg: TrainConfig) -> None:
+    """The run directory given, made now: one that cannot be is said before any rank starts."""
+    if cfg.out is None:
+        return
+    try:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"out={cfg.out!r}: the run directory cannot be made: {exc}") from None
 
 
 def _complete(cfg: TrainConfig) -> bool:
@@ -119,7 +129,9 @@ def train(cfg: TrainConfig) -> None:
         microbatches=cfg.microbatches,
         data_parallel=cfg.data_parallel,
         schedule=cfg.schedule,
-        profile=ProfileConfig(print_summary=False),  # this job prints its own summary
+        # this job prints its own summary; its warm-up is the first training step (and the
+        # validation batches before it, which share the step numbering)
+        profile=ProfileConfig(print_summary=False, warmup_steps=1 + _first_evals(cfg)),
         resume=Path(cfg.resume) / "checkpoint" if cfg.resume else None,
         offload=cfg.offload(),
         precision=cfg.precision,
@@ -142,6 +154,12 @@ def train(cfg: TrainConfig) -> None:
         finally:
             run_log.close()
         _finish(cfg, trainer, run_dir, run_log.val_curve)
+
+
+def _first_evals(cfg: TrainConfig) -> int:
+    """Evaluation batches before the first training step: the untrained model's
+    validation, which a resumed run does not repeat."""
+    return 0 if cfg.resume else cfg.eval_batches
 
 
 def _adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -280,7 +298,7 @@ def _rounded(row: dict[str, Any]) -> dict[str, Any]:
 
 def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) -> None:
     """Every rank hands in its timeline and its stage's weights; rank 0 reports and samples."""
-    report = gather_report(trainer.timeline, trainer.world)  # collective, JSON via the store
+    report = trainer.profile_report()  # collective, JSON via the store; the run's warm-up
     state = trainer.state_dict()  # collective: the whole model on rank 0, None elsewhere
     memory = trainer.memory_stats()
     if train_model.is_hf(cfg.model):  # collective: a folder from_pretrained loads

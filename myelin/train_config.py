@@ -25,7 +25,7 @@ from myelin.models.gpt import GPTConfig
 from myelin.offload.config import PRECISIONS, OffloadConfig
 from myelin.offload.pool import parse_bytes
 from myelin.runtime.schedule import SCHEDULES
-from myelin.train_model import NAMED, check
+from myelin.train_model import NAMED, check, positions
 
 __all__ = ["TrainConfig", "add_arguments", "config_from_args", "read_toml", "to_argv"]
 
@@ -142,6 +142,11 @@ class TrainConfig:
             raise ConfigError(
                 f"stages={self.stages} exceeds the model's {blocks + 2} layers "
                 f"(embedding, {where} blocks, head)"
+            )
+        longest = positions(self.model)
+        if longest is not None and self.block_size > longest:
+            raise ConfigError(
+                f"block_size={self.block_size} exceeds the {longest} positions of {self.model}"
             )
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr={self.min_lr} must not exceed lr={self.lr}")
@@ -276,6 +281,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown option {key!r}{hint}; known: {', '.join(FIELDS)}")
         if isinstance(value, bool) and "on" in (FIELDS[key].metadata["choices"] or ()):
             table[key] = "on" if value else "off"  # TOML's own booleans for on/off options
+        if key.endswith("_memory_limit") and type(value) is int:
+            table[key] = str(value)  # a byte count, as the flag takes it
     return table
 
 

@@ -77,6 +77,18 @@ def check(model: str) -> int | None:
     return layers if isinstance(layers, int) else None
 
 
+def positions(model: str) -> int | None:
+    """The longest sequence a `--model` config.json's position embeddings take (None: not
+    said, or myelin builds the model for the block size)."""
+    if model in NAMED:
+        return None
+    values = read_config(model)
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(values.get(key), int):
+            return values[key]
+    return None
+
+
 def _hf_config(cfg: TrainConfig) -> Any:
     """The HuggingFace config of `cfg.model`: a Llama sized by the options, or the file's."""
     import transformers

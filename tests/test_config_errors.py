@@ -564,6 +564,7 @@ CLI = [
     cmd("train --host-memory-limit 0", "host_memory_limit='0'", BYTES),
     cmd("train --bogus-flag", "unrecognized arguments", "--bogus-flag"),
     cmd("train --resume nowhere", "resume='nowhere'", "config.json"),
+    cmd("train --out /proc/no/run", "out='/proc/no/run'", "cannot be made"),
     # myelin train: --config TOML
     cmd("train --config unk.toml", "'stepz'", "did you mean 'steps'", unk_toml="stepz = 3\n"),
     cmd("train --config neg.toml", "steps=-1", BIG, neg_toml="steps = -1\n"),

@@ -194,3 +194,27 @@ def test_an_argument_error_inside_a_with_block_is_not_a_pipeline_failure(tmp_pat
     assert failures.failed is None and not list(tmp_path.iterdir())
     failures.script_failed(RuntimeError("the script's own"))
     assert isinstance(failures.failed, RuntimeError)
+
+
+def test_a_signal_python_swallowed_is_raised_when_the_next_step_begins(tmp_path, monkeypatch):
+    """myelin run's Ctrl-C raised inside a weakref callback (the activation store's) is
+    only printed by Python: the rank would train on. The next step raises it."""
+    import signal
+    import sys
+    import weakref
+
+    from myelin.failures import Failures
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the handler installs a quiet one
+    failures = Failures(0, 2, tmp_path)
+
+    class Held:
+        pass
+
+    held = Held()
+    ref = weakref.ref(held, lambda _: failures._on_sigint(signal.SIGINT, None))
+    del held  # the callback runs, raises, and Python swallows it
+    assert ref() is None
+    with pytest.raises(KeyboardInterrupt, match="rank 0 interrupted"):
+        failures.enter("training step 2")
+    failures.enter("training step 2")  # once

@@ -118,7 +118,9 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
     model.load_state_dict(torch.load(out_dir / "model.pt", weights_only=True))
     ranks = {p.name for p in (out_dir / "profile" / "ranks").iterdir()}
     assert ranks == {"rank0.json", "rank1.json"}
-    assert (out_dir / "profile" / "summary.json").exists()
+    summary = json.loads((out_dir / "profile" / "summary.json").read_text())
+    assert summary["warmup_steps"] == 3  # the 2 validation batches at step 0, training's first
+    assert summary["steady_steps"][0] == 3  # (they share the step numbering)
     assert (out_dir / "profile" / "timeline.png").stat().st_size > 10_000
     assert (out_dir / "profile" / "trace.json").exists()
     assert "step" in err  # the progress bar, on stderr
@@ -224,9 +226,20 @@ def test_toml_booleans_set_on_off_options(tmp_path):
     toml.write_text("offload_activations = false\noffload_optimizer = true\n")
     cfg = config_from_args(parse("--config", str(toml)))
     assert (cfg.offload_activations, cfg.offload_optimizer) == ("off", "on")
+    toml.write_text("device_memory_limit = 1000000\n")  # a byte count as an int, too
+    assert config_from_args(parse("--config", str(toml))).device_memory_limit == "1000000"
     toml.write_text("steps = true\n")  # a boolean for a number is still named
     with pytest.raises(ConfigError, match="steps=True must be an int"):
         config_from_args(parse("--config", str(toml)))
+
+
+def test_a_block_longer_than_an_hf_configs_positions_is_named(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_positions": 128}))
+    with pytest.raises(ConfigError, match="block_size=256 exceeds the 128 positions of"):
+        TrainConfig(model=str(config), block_size=256)
+    assert TrainConfig(model=str(config), block_size=128).block_size == 128
 
 
 def test_unknown_toml_key_is_named(tmp_path):
