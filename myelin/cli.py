@@ -94,6 +94,7 @@ def build_parser(only_run: bool = False) -> argparse.ArgumentParser:
     run.add_argument("script", help="the Python script (or module, with -m) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     if only_run:
+        parser.usage = "myelin [-h] {run,train,profile} ..."  # all three, though one is built
         return parser
     from myelin import train as train_job
     from myelin.profile import command as profile_command

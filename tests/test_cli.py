@@ -63,6 +63,15 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_run_alone_shows_the_whole_usage_line(capsys):
+    """`myelin run` builds only its own options (its ranks start before torch is imported),
+    but the usage line of its errors names every command."""
+    with pytest.raises(SystemExit):
+        build_parser(only_run=True).parse_args(["run", "x.py"])
+    assert "usage: myelin [-h] {run,train,profile} ..." in capsys.readouterr().err
+    assert build_parser().format_usage().strip() == "usage: myelin [-h] {run,train,profile} ..."
+
+
 def test_a_busy_rendezvous_port_is_named_before_any_rank_starts(tmp_path):
     script = tmp_path / "mark.py"
     script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
