@@ -67,9 +67,8 @@ def test_run_alone_shows_the_whole_usage_line(capsys):
     """`myelin run` builds only its own options (its ranks start before torch is imported),
     but the usage line of its errors names every command."""
     with pytest.raises(SystemExit):
-        build_parser(only_run=True).parse_args(["run", "x.py"])
-    assert "usage: myelin [-h] {run,train,profile} ..." in capsys.readouterr().err
-    assert build_parser().format_usage().strip() == "usage: myelin [-h] {run,train,profile} ..."
+        build_parser(only_run=True).error("run: script 'x.py' does not exist")  # as main says it
+    assert capsys.readouterr().err.startswith(build_parser().format_usage())
 
 
 def test_a_busy_rendezvous_port_is_named_before_any_rank_starts(tmp_path):
