@@ -196,6 +196,7 @@ def test_an_argument_error_inside_a_with_block_is_not_a_pipeline_failure(tmp_pat
     assert isinstance(failures.failed, RuntimeError)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the point)
 def test_a_signal_python_swallowed_is_raised_when_the_next_step_begins(tmp_path, monkeypatch):
     """myelin run's Ctrl-C raised inside a weakref callback (the activation store's) is
     only printed by Python: the rank would train on. The next step raises it."""
