@@ -158,7 +158,7 @@ class EventLoop:
             raise
         loss = self._mean(self._losses, self.inbox.rows)
         self.flight.now(f"reducing gradients at the end of step {step}")
-        loss = self._agree(loss, train=True)  # before the ties: each stage's rounds its own
+        loss = self._agree(loss, train=True)  # replicas reduce first: every tie holder sums alike
         for tie in self.tied:  # each holder applies the same update: the copies stay equal
             start = self.timeline.now()
             sum_gradients(self.updater.grads.holders_of(tie.params), tie.group, self.world.waits)
