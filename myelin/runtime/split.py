@@ -106,7 +106,7 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
+        if func is F.linear and torch.is_grad_enabled() and not _in_checkpoint():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if _deferrable(x, weight, self.never):
@@ -118,6 +118,17 @@ class _Mode(TorchFunctionMode):
                 if isinstance(a, torch.nn.Parameter):
                     self.record.shared.add(id(a))
         return out
+
+
+def _in_checkpoint() -> bool:
+    """Inside a non-reentrant `torch.utils.checkpoint` region: its recompute in backward
+    runs plain F.linear, whose saved tensors must match the forward's, so it stays plain
+    here too (its weights get their gradients in I)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):  # (a torch without it: route as before)
+        return False
+    return top is not None and "_checkpoint_hook" in getattr(top[0], "__qualname__", "")
 
 
 def _flat(args: Any, kwargs: dict) -> Iterator[Any]:

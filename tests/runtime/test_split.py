@@ -113,3 +113,31 @@ def test_without_grad_nothing_is_recorded():
     with parts.backward(0, split=True):
         pass
     assert not parts.pending(0)
+
+
+@pytest.mark.parametrize("width", [8, 12])  # square weights were silently wrong, others raised
+def test_a_non_reentrant_checkpoint_region_stays_in_i(width):
+    """torch.utils.checkpoint(use_reentrant=False) recomputes its region in backward with
+    plain F.linear: the forward must save what that recompute saves, so its linears are not
+    split (their dW is computed in I), and the gradients are one backward's."""
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    a, b, out = nn.Linear(8, width), nn.Linear(width, 8), nn.Linear(8, 3)
+
+    def forward(x):
+        return out(x + cp.checkpoint(lambda h: b(torch.relu(a(h))), x, use_reentrant=False))
+
+    x = torch.randn(4, 8)
+    forward(x).square().sum().backward()
+    want = [p.grad.clone() for p in (a.weight, b.weight, out.weight)]
+    for p in (a.weight, b.weight, out.weight, a.bias, b.bias, out.bias):
+        p.grad = None
+    split = SplitBackward()
+    with split.recording(0):
+        y = forward(x)
+    with split.backward(0, split=True):
+        y.square().sum().backward()
+    split.run(0)
+    for got, expected in zip((a.weight.grad, b.weight.grad, out.weight.grad), want, strict=True):
+        assert torch.equal(got, expected)
