@@ -142,7 +142,7 @@ class Stage:
         self, inputs: tuple[torch.Tensor, ...], target: Any = None
     ) -> tuple[torch.Tensor, ...] | float:
         """Forward only, keeping nothing for backward: outputs, or the loss on the last stage."""
-        inputs = tuple(self._cast(t) for t in inputs)
+        inputs = tuple(self._cast(t) if self.is_first else self._move(t) for t in inputs)
         with self._random():
             outputs = as_tuple(self.module(*inputs))
             if not self.is_last:
@@ -159,10 +159,15 @@ class Stage:
         dtype = self.dtype if t.is_floating_point() else t.dtype
         return t.to(self.device, dtype, non_blocking=True)
 
+    def _move(self, t: torch.Tensor) -> torch.Tensor:
+        """An activation on this device in the dtype its stage sent (a float64 side input
+        stays float64, as in one process)."""
+        return t.to(self.device, non_blocking=True)
+
     def _receive(self, t: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             return self._cast(t)
-        t = self._cast(t.detach())
+        t = self._move(t.detach())
         if t.is_floating_point():
             t.requires_grad_(True)
         return t

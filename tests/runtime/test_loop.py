@@ -195,3 +195,21 @@ def test_the_first_stage_returns_the_losses_the_last_gradient_carried():
     inbox = [grad(1, {"index": [0]}), grad(0, {"index": [0], "losses": [0.25, 0.75]})]
     loop = first_stage_loop(inbox, 2)
     assert loop.run_step(0, [(torch.randn(2, 4),), (torch.randn(2, 4),)], None) == 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_later_stage_takes_an_activation_in_the_dtype_it_was_sent(dtype):
+    """A float64 side input (positions, say) stays float64 across a boundary, as in one
+    process, under any precision; only stage 0's inputs take the stage's dtype."""
+    from myelin.runtime.stage import Stage
+
+    later = Stage(
+        nn.Linear(4, 5).to(dtype), 1, 2, torch.device("cpu"), F.cross_entropy, dtype=dtype
+    )
+    sent = torch.randn(3, 4, dtype=torch.float64)
+    got = later._receive(sent)
+    assert got.dtype == torch.float64 and got.requires_grad and torch.equal(got, sent)
+    first = Stage(
+        nn.Linear(4, 5).to(dtype), 0, 2, torch.device("cpu"), F.cross_entropy, dtype=dtype
+    )
+    assert first._receive(sent).dtype == dtype
