@@ -106,7 +106,7 @@ class Stage:
         )
         recording = self.split.recording(mb) if self.split is not None else contextlib.nullcontext()
         with saving, self._random(), recording:
-            outputs = as_tuple(self._run_module(tuple(_alias(t) for t in inputs)))
+            outputs = self._outputs(self._run_module(tuple(_alias(t) for t in inputs)))
             if not self.is_last:
                 self._flights[mb] = _Flight(inputs, outputs)
                 return outputs
@@ -144,7 +144,7 @@ class Stage:
         """Forward only, keeping nothing for backward: outputs, or the loss on the last stage."""
         inputs = tuple(self._cast(t) if self.is_first else self._move(t) for t in inputs)
         with self._random():
-            outputs = as_tuple(self.module(*inputs))
+            outputs = self._outputs(self.module(*inputs))
             if not self.is_last:
                 return outputs
             loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
@@ -158,6 +158,18 @@ class Stage:
         """`t` on this device, floating point cast to the stage's dtype."""
         dtype = self.dtype if t.is_floating_point() else t.dtype
         return t.to(self.device, dtype, non_blocking=True)
+
+    def _outputs(self, value: Any) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs; a list is refused where it would cross to the next stage
+        (there its tensors would become separate arguments, where one process passes the
+        list as one), as a tuple's do."""
+        if isinstance(value, list) and not self.is_last:
+            raise MyelinError(
+                f"stage {self.index}'s last layer returned a list; what crosses to the next "
+                f"stage is a tensor or a tuple of tensors (a tuple's tensors become the next "
+                f"layer's arguments): return a tuple"
+            )
+        return as_tuple(value)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
         """An activation on this device in the dtype its stage sent (a float64 side input

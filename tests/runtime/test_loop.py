@@ -213,3 +213,19 @@ def test_a_later_stage_takes_an_activation_in_the_dtype_it_was_sent(dtype):
         nn.Linear(4, 5).to(dtype), 0, 2, torch.device("cpu"), F.cross_entropy, dtype=dtype
     )
     assert first._receive(sent).dtype == dtype
+
+
+def test_a_list_crossing_to_the_next_stage_is_refused_saying_to_return_a_tuple():
+    """In one process a Sequential passes a list to the next layer as one argument; across
+    a boundary a tuple's tensors become separate arguments: a list is refused, not split."""
+    from myelin.runtime.stage import Stage
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return [x, x + 1]
+
+    first = Stage(Pair(), 0, 2, torch.device("cpu"), F.cross_entropy)
+    with pytest.raises(MyelinError, match="stage 0's last layer returned a list"):
+        first.evaluate((torch.randn(2, 4),))
+    last = Stage(Pair(), 1, 2, torch.device("cpu"), lambda out, y: out[1].sum())
+    assert last.evaluate((torch.zeros(2, 4),), None) == 8.0  # the loss takes it whole
