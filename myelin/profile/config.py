@@ -60,15 +60,23 @@ class ProfileConfig:
 
     @staticmethod
     def from_arg(profile: Any) -> ProfileConfig | None:
-        """`Trainer(profile=...)`: False/None, True, an output directory, or a ProfileConfig."""
+        """`Trainer(profile=...)`: False/None, True, an output directory, or a ProfileConfig.
+        Its out_dir is made now: one that cannot be is said before training, not at close."""
         if profile is None or profile is False:
             return None
         if profile is True:
             return ProfileConfig()
-        if isinstance(profile, ProfileConfig):
-            return profile
         if isinstance(profile, (str, os.PathLike)):
-            return ProfileConfig(out_dir=os.fspath(profile))
-        raise ConfigError(
-            f"profile={profile!r} must be True, an output directory, or a myelin ProfileConfig"
-        )
+            profile = ProfileConfig(out_dir=os.fspath(profile))
+        if not isinstance(profile, ProfileConfig):
+            raise ConfigError(
+                f"profile={profile!r} must be True, an output directory, or a myelin ProfileConfig"
+            )
+        if profile.out_dir is not None:
+            try:
+                os.makedirs(profile.out_dir, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(
+                    f"profile out_dir={profile.out_dir!r} cannot be made: {exc}"
+                ) from None
+        return profile

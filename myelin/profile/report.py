@@ -197,20 +197,36 @@ def finish_profile(
             record = collect(timeline, sampler.counters if sampler is not None else None)
             report = ProfileReport.from_ranks([record], config.warmup_steps)
             if config.out_dir is not None:
-                path = Path(config.out_dir) / "ranks" / f"rank{world.rank}.json"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_json(path, record)
+                _save_own(Path(config.out_dir), record, world)
             return report
         report = gather_report(timeline, world, sampler, config)
+    except PeerLostError:  # a lost peer is the rank's error, raised wherever it is
+        raise
+    except Exception as exc:
+        log.warning("rank %d: could not finish the profile: %s", world.rank, exc, exc_info=True)
+        return None
+    try:  # the report is kept whatever becomes of its files
         if world.rank == 0:
             if config.print_summary:
                 report.print()
             if config.out_dir is not None:
                 report.save(config.out_dir)
                 log.info("profile written to %s", config.out_dir)
-        return report
-    except PeerLostError:  # a lost peer is the rank's error, raised wherever it is
-        raise
     except Exception as exc:
-        log.warning("rank %d: could not finish the profile: %s", world.rank, exc, exc_info=True)
-        return None
+        log.warning("rank %d: could not write the profile: %s", world.rank, exc, exc_info=True)
+    return report
+
+
+def _save_own(out: Path, record: dict[str, Any], world: Any) -> None:
+    """After a failure, this rank's record alone; what an earlier run left in a reused
+    directory (its summary, trace and picture, ranks this run has not) goes, so it is not
+    read back as this run's."""
+    (out / "ranks").mkdir(parents=True, exist_ok=True)
+    write_json(out / "ranks" / f"rank{world.rank}.json", record)
+    for stale in (out / "ranks").glob("rank*.json"):
+        found = re.fullmatch(r"rank(\d+)\.json", stale.name)
+        if found and int(found.group(1)) >= world.layout.world_size:
+            stale.unlink(missing_ok=True)
+    if world.rank == 0:
+        for name in ("summary.json", "trace.json", "timeline.png"):
+            (out / name).unlink(missing_ok=True)

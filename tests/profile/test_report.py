@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import zlib
@@ -488,6 +489,34 @@ def test_finish_profile_after_a_failure_keeps_this_ranks_records_only(tmp_path):
     assert [r["rank"] for r in report.ranks] == [1]
     assert (tmp_path / "ranks" / "rank1.json").exists()
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_failed_run_in_a_reused_directory_leaves_nothing_of_the_earlier_run(tmp_path):
+    """An earlier 4-rank run's summary, trace and ranks 2-3 would be read back as this
+    2-rank run's; rank 0's own failure path clears them (rank 1 writes its own record)."""
+    (tmp_path / "ranks").mkdir()
+    for name in ("summary.json", "trace.json", *(f"ranks/rank{r}.json" for r in range(4))):
+        (tmp_path / name).write_text("{}")
+    cfg = ProfileConfig(out_dir=str(tmp_path))
+    finish_profile(gpipe(2, 2, steps=1)[0], world(0, 2, FakeStore()), None, cfg, failed=True)
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == ["rank0.json", "rank1.json"]
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "trace.json").exists()
+
+
+def test_a_report_gathered_is_kept_when_its_files_cannot_be_written(tmp_path, caplog):
+    cfg = ProfileConfig(out_dir=str(tmp_path / "p"))
+    (tmp_path / "p").write_text("a file where the directory should be")
+    line = gpipe(1, 4, steps=3)[0]
+    report = finish_profile(
+        line, world(0, 1, None), None, dataclasses.replace(cfg, print_summary=False)
+    )
+    assert report is not None and "could not write the profile" in caplog.text
+
+
+def test_a_profile_directory_that_cannot_be_made_is_named_when_the_trainer_is_built(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="profile out_dir=.*afile/p.* cannot be made"):
+        ProfileConfig.from_arg(str(tmp_path / "afile" / "p"))
 
 
 def test_finish_profile_never_raises(caplog):
