@@ -95,8 +95,9 @@ def fit(
     uneven: str = "shortest",
     eval_first: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train for `steps` steps or `epochs` passes over `loader` (default: one epoch), or
-    until `max_seconds` pass; returns the metrics rows (see `myelin.metrics`).
+    """Train for `steps` more steps or `epochs` passes over `loader` (default: one epoch),
+    or until `max_seconds` pass; returns the metrics rows (see `myelin.metrics`). A resumed
+    trainer trains that many beyond its `steps_done` (myelin train subtracts them itself).
 
     max_seconds: stop after the step during which this much time has passed on any rank;
         the ranks agree (an all-reduce of the time used each step), so all stop together.
