@@ -328,6 +328,8 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
         (run_dir / "sample.txt").write_text(text)
         shown = "\n".join(f"  | {line}" for line in text.splitlines()[:12])
         _say(f"sample (temperature {cfg.temperature}, top-k {cfg.top_k}):\n{shown}")
+    else:  # a reused run directory keeps no sample of an earlier run's model
+        (run_dir / "sample.txt").unlink(missing_ok=True)
     _say(f"run directory: {run_dir} (profile/trace.json opens in Perfetto)")
 
 

@@ -134,8 +134,11 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
 def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
     out_dir = tmp_path / "run"
     argv = [*QUICK, "--steps=14", "--checkpoint-every=7", "--log-every=1", "--eval-every=7"]
+    out_dir.mkdir()
+    (out_dir / "sample.txt").write_text("an earlier run's sample")  # a reused directory
     code, _, err = run_train([*argv, f"--out={out_dir}", "--sample-tokens=0"], tmp_path)
     assert code == 0, err[-5000:]
+    assert not (out_dir / "sample.txt").exists()  # not sampled: no sample of another model
     metrics = out_dir / "metrics.jsonl"
     full = [json.loads(line) for line in metrics.read_text().splitlines()]
     # as if killed after step 7's checkpoint, having logged steps 8 to 14 (and a torn line)
