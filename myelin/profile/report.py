@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -125,10 +125,8 @@ class ProfileReport:
             paths[f"rank{rec['rank']}"] = write_json(out / "ranks" / f"rank{rec['rank']}.json", rec)
         # an earlier run's ranks that this one has not (a directory reused with fewer
         # ranks) would be read back as this run's
-        keep = {f"rank{rec['rank']}.json" for rec in self.ranks}
-        for stale in (out / "ranks").glob("rank*.json"):
-            if stale.name not in keep and re.fullmatch(r"rank\d+\.json", stale.name):
-                stale.unlink(missing_ok=True)  # every rank may be saving here at once
+        mine = {rec["rank"] for rec in self.ranks}
+        _drop_ranks(out, lambda r: r not in mine)
         paths["summary"] = write_json(out / "summary.json", self.summary(), indent=1)
         paths["trace"] = write_json(out / "trace.json", self.trace())
         if plot and not self.steps:
@@ -223,10 +221,16 @@ def _save_own(out: Path, record: dict[str, Any], world: Any) -> None:
     read back as this run's."""
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     write_json(out / "ranks" / f"rank{world.rank}.json", record)
-    for stale in (out / "ranks").glob("rank*.json"):
-        found = re.fullmatch(r"rank(\d+)\.json", stale.name)
-        if found and int(found.group(1)) >= world.layout.world_size:
-            stale.unlink(missing_ok=True)
+    _drop_ranks(out, lambda r: r >= world.layout.world_size)
     if world.rank == 0:
         for name in ("summary.json", "trace.json", "timeline.png"):
             (out / name).unlink(missing_ok=True)
+
+
+def _drop_ranks(out: Path, stale: Callable[[int], bool]) -> None:
+    """Remove ranks/rank{r}.json for each rank `stale(r)` names: an earlier run's, which
+    would be read back as this run's (every rank may be saving here at once)."""
+    for path in (out / "ranks").glob("rank*.json"):
+        found = re.fullmatch(r"rank(\d+)\.json", path.name)
+        if found and stale(int(found.group(1))):
+            path.unlink(missing_ok=True)
