@@ -267,10 +267,14 @@ def _check_count(where: str, name: str, value: Any) -> None:
 
 
 def _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader) -> None:
-    for name, value in (("steps", steps), ("epochs", epochs), ("eval_every", eval_every)):
+    counts = (
+        ("steps", steps),
+        ("epochs", epochs),
+        ("eval_every", eval_every),
+        ("log_every", log_every),
+    )
+    for name, value in counts:
         _check_count("fit", name, value)
-    if log_every is not None and (type(log_every) is not int or log_every < 1):
-        raise ConfigError(f"fit: log_every={log_every!r} must be an int >= 1")
     if steps is not None and epochs is not None:
         raise ConfigError("fit: give steps or epochs, not both")
     if eval_every is not None and eval_loader is None:
