@@ -5,10 +5,11 @@
 The blocks are the one `ModuleList` whose children all belong to the classes the model
 names in `_no_split_modules` (the modules HuggingFace never cuts; Accelerate's device maps
 rely on the same list). Along the path from the model down to that list, modules that hold
-state and are registered before it (token and position embeddings) open the pipeline;
-those registered after it (final norm, LM head) close it; stateless ones (rotary tables,
-dropout) belong to no layer and run on every stage. A family that is not named anywhere
-in myelin works when it has this shape.
+state and that the model's forward runs before the blocks (token and position embeddings)
+open the pipeline; those it runs after them (final norm, LM head) close it: one forward
+of stand-ins finds which (probe.py; registration order where it cannot run). Stateless
+ones (rotary tables, dropout) belong to no layer and run on every stage. A family that is
+not named anywhere in myelin works when it has this shape.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from myelin.errors import PartitionError
+from myelin.hf.probe import sides
 
 __all__ = ["AUX_LOSS", "BY_HAND", "Found", "find", "is_hf_model"]
 
@@ -47,8 +49,8 @@ class Found:
 
     blocks_path: str  # "model.layers"
     blocks: nn.ModuleList
-    before: dict[str, nn.Module]  # stateful modules registered before the blocks
-    after: dict[str, nn.Module]  # stateful modules registered after them
+    before: dict[str, nn.Module]  # stateful modules run before the blocks
+    after: dict[str, nn.Module]  # stateful modules run after them
     everywhere: dict[str, nn.Module]  # stateless modules along the path: every stage runs them
 
 
@@ -101,17 +103,17 @@ def find(model: nn.Module) -> Found:
             f"{sorted(keep_whole)} (its `_no_split_modules`), {found}; {BY_HAND}"
         )
     blocks_path, blocks = lists[0]
-    before, after, everywhere = _around(model, blocks_path)
+    before, after, everywhere = _around(model, blocks_path, blocks)
     _check_ends(model, before, after)
     return Found(blocks_path, blocks, before, after, everywhere)
 
 
-def _around(model: nn.Module, blocks_path: str) -> tuple[dict, dict, dict]:
+def _around(model: nn.Module, blocks_path: str, blocks: nn.ModuleList) -> tuple[dict, dict, dict]:
     """The modules beside the path from `model` down to the blocks, sorted by whether they
-    hold state and come before or after the path."""
-    before: dict[str, nn.Module] = {}
-    after: dict[str, nn.Module] = {}
-    everywhere: dict[str, nn.Module] = {}
+    hold state and run before or after the blocks: where the model's forward calls them
+    (probe.py), or where they are registered if the probe cannot run or never calls them."""
+    registered: dict[str, str] = {}
+    beside: dict[str, nn.Module] = {}
     node, prefix = model, ""
     for part in blocks_path.split("."):
         own = [n for n, p in node.named_parameters(recurse=False)]
@@ -122,14 +124,30 @@ def _around(model: nn.Module, blocks_path: str) -> tuple[dict, dict, dict]:
                 f"{type(node).__name__} itself, outside any module before or after the "
                 f"blocks; {BY_HAND}"
             )
-        side = before
+        side = "before"
         for child_name, child in node.named_children():
             if child_name == part:
-                side = after
+                side = "after"
                 continue
-            where = side if child.state_dict() else everywhere
-            where[prefix + child_name] = child
+            beside[prefix + child_name] = child
+            registered[prefix + child_name] = side
         node, prefix = getattr(node, part), f"{prefix}{part}."
+    used = sides(model, blocks_path, blocks, beside) or {}
+    before: dict[str, nn.Module] = {}
+    after: dict[str, nn.Module] = {}
+    everywhere: dict[str, nn.Module] = {}
+    for path, child in beside.items():
+        if not child.state_dict():
+            everywhere[path] = child
+            continue
+        side = used.get(path, registered[path])
+        if side == "between":
+            raise PartitionError(
+                f"{type(model).__name__}: the forward uses {path}, which holds weights, "
+                f"among its blocks or on both sides of them, so no stage can hold it; "
+                f"{BY_HAND}"
+            )
+        (before if side == "before" else after)[path] = child
     return before, after, everywhere
 
 
@@ -148,7 +166,7 @@ def _check_ends(model: nn.Module, before: dict, after: dict) -> None:
     ):
         if not any(module is m or _contains(m, module) for m in side.values()):
             raise PartitionError(
-                f"{name}: its {what} ({type(module).__name__}) is not registered {where} "
+                f"{name}: its {what} ({type(module).__name__}) does not run {where} "
                 f"the blocks; {BY_HAND}"
             )
 

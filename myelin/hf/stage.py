@@ -14,8 +14,8 @@ does not hold is stood in for:
 - the head, on an earlier stage: never reached.
 Between stages travel the hidden state and the inputs stage 0 was given: (hidden,
 input_ids[, attention_mask[, position_ids]]), from which every stage rebuilds masks and
-positions. If the model's forward uses a module on the other side of the blocks than it
-is registered on, a stand-in is reached at the wrong moment and says so.
+positions. If the model's forward uses a module on the other side of the blocks than the
+probe found it on (shape.py), a stand-in is reached at the wrong moment and says so.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from myelin.errors import MyelinError, PartitionError
+from myelin.hf.probe import shaped_zeros
 from myelin.hf.shape import AUX_LOSS, BY_HAND, Found, find
 from myelin.layers import StageModule
 
@@ -79,23 +80,23 @@ class _Call:
 
 
 class _Embedding(nn.Module):
-    """An embedding module of an earlier stage: zeros shaped as its output would be (an
-    nn.Embedding), or its input passed on (a norm or dropout after the embedding)."""
+    """A module run before the blocks, on a later stage: zeros shaped as its output would
+    be (the blocks' first input is replaced by the received hidden state anyway)."""
 
     def __init__(self, path: str, real: nn.Module, call: _Call) -> None:
         super().__init__()
-        self.path, self.call = path, call
+        self.path, self.call, self.real = path, call, [real]  # a list: not our weights
         self.dim = real.embedding_dim if isinstance(real, nn.Embedding) else None
 
     def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:  # noqa: D102
         if self.call.took_hidden:
             raise PartitionError(
-                f"{self.path} is registered before the blocks, so stage 0 holds it, but the "
-                f"model's forward uses it after them; {BY_HAND}"
+                f"{self.path} runs before the blocks, so stage 0 holds it, but the "
+                f"model's forward used it after them too; {BY_HAND}"
             )
-        if self.dim is None:
-            return x
-        return torch.zeros(*x.shape, self.dim, dtype=self.call.dtype, device=x.device)
+        if self.dim is not None:
+            return torch.zeros(*x.shape, self.dim, dtype=self.call.dtype, device=x.device)
+        return shaped_zeros(self.real[0], (x, *args), kwargs, x.device, self.call.dtype)
 
 
 class _Head(nn.Module):
@@ -107,8 +108,8 @@ class _Head(nn.Module):
 
     def forward(self, *args: object, **kwargs: object) -> None:  # noqa: D102
         raise PartitionError(
-            f"{self.path} is registered after the blocks, so the last stage holds it, but the "
-            f"model's forward uses it before them; {BY_HAND}"
+            f"{self.path} runs after the blocks, so the last stage holds it, but the "
+            f"model's forward used it before them too; {BY_HAND}"
         )
 
 

@@ -66,6 +66,7 @@ def _check_per_rank_loading(job, case):
 TWO = [f"{family}:2" for family in sorted(fam.FAMILIES)] + [
     "llama:2:meta",
     "gemma:2:meta",
+    "opt:2:meta",
     "llama:2:checkpointing",
     "gpt2:2:whole",
     "qwen2:2:compiled",

@@ -140,22 +140,57 @@ def test_a_model_without_block_classes_or_head_is_refused_naming_what_is_missing
         myelin.split(model, 2)
 
 
-def test_a_module_used_on_the_other_side_of_the_blocks_is_named():
-    # OPT registers its final norm before its blocks but uses it after them.
-    config = tf.OPTConfig(
-        vocab_size=32,
-        hidden_size=16,
-        ffn_dim=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        word_embed_proj_dim=16,
-        max_position_embeddings=32,
-    )
-    model = tf.OPTForCausalLM(config)
-    ids = torch.randint(0, 32, (2, 5))
-    hidden = stage_module(model, 2, 0)(ids)
-    with pytest.raises(PartitionError, match=r"final_layer_norm is registered before the blocks"):
-        stage_module(model, 2, 1)(*hidden)
+def test_modules_go_where_the_forward_runs_them_not_where_they_are_registered():
+    # OPT registers its final norm and output projection before its blocks, runs them after.
+    model = fam.build("opt")
+    found = hf.find(model)
+    decoder = "model.decoder."
+    assert sorted(found.before) == [
+        decoder + n for n in ("embed_positions", "embed_tokens", "project_in")
+    ]
+    assert sorted(found.after) == ["lm_head", decoder + "final_layer_norm", decoder + "project_out"]
+    ids, mask, _ = fam.batch(0)
+    out = (ids, mask)
+    for s in range(3):  # the middle stage stands in for project_in, a Linear 16 -> 32
+        out = stage_module(model, 3, s)(*(out if isinstance(out, tuple) else (out,)))
+    assert torch.equal(out, model(input_ids=ids, attention_mask=mask).logits)
+
+
+class _Odd(torch.nn.Module):
+    """A model whose norm runs before and after its blocks: no stage can hold it."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.embed, self.norm = torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+        self.head, self.twice = torch.nn.Linear(4, 8), twice
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        x = self.embed(input_ids)
+        x = self.norm(x) if self.twice else x
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def test_a_module_the_forward_runs_on_both_sides_of_the_blocks_is_named():
+    from myelin.hf import probe, shape
+
+    odd = _Odd(twice=False)
+    assert probe.sides(
+        odd, "layers", odd.layers, {"embed": odd.embed, "norm": odd.norm, "head": odd.head}
+    ) == {
+        "embed": "before",
+        "norm": "after",
+        "head": "after",
+    }
+    before, after, _ = shape._around(odd, "layers", odd.layers)
+    assert list(before) == ["embed"] and sorted(after) == ["head", "norm"]
+    odd = _Odd(twice=True)
+    with pytest.raises(
+        PartitionError, match=r"uses norm, which holds weights, among its blocks or on both sides"
+    ):
+        shape._around(odd, "layers", odd.layers)
 
 
 def test_stage_inputs_that_are_not_token_ids_are_named():

@@ -36,6 +36,8 @@ FAMILIES = {
         {"hidden_dropout": 0.0, "num_key_value_heads": None, "rotary_pct": 0.5},
     ),
     "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, None),
+    # Registers its final norm and output projection before its blocks, runs them after.
+    "opt": (tf.OPTConfig, tf.OPTForCausalLM, None),
     # Not named in myelin: multipliers on the embedding, residuals, attention and logits.
     "granite": (
         tf.GraniteConfig,
@@ -48,11 +50,26 @@ FAMILIES = {
         },
     ),
 }
-TIED = {"llama_tied", "gemma", "gpt2"}
+TIED = {"llama_tied", "gemma", "gpt2", "opt"}
 
 
 def config(family: str) -> tf.PretrainedConfig:
     config_class, _, extra = FAMILIES[family]
+    if family == "opt":  # its own names; projections in and out of a narrower embedding
+        return config_class(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            word_embed_proj_dim=16,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
     if extra is None:  # GPT-2's own names
         return config_class(
             vocab_size=VOCAB,

@@ -1,0 +1,104 @@
+"""Where a HuggingFace model's forward uses each module, found by one forward of stand-ins.
+
+Registration order does not always say it: OPT registers its final norm and output
+projection before its blocks and runs them after. `sides` runs the model's own forward on
+two tokens with every module beside the path to the blocks (and every block) replaced by
+a stand-in that records the call and returns zeros shaped as the module's output, computed
+on the meta device (`shaped_zeros`): no weight is read, so a model built under
+`init_empty` is probed as cheaply as a real one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+__all__ = ["shaped_zeros", "sides"]
+
+Side = Literal["before", "after", "between"]
+
+
+def shaped_zeros(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """What `module(*args, **kwargs)` returns, as zeros on `device`: the module run on the
+    meta device, its own tensors untouched (its floating ones taken as `dtype` if given)."""
+    on_meta = {
+        name: torch.empty_like(
+            t, device="meta", dtype=dtype if dtype and t.is_floating_point() else t.dtype
+        )
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+    }
+    meta = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    with torch.no_grad():
+        out = torch.func.functional_call(module, on_meta, meta[0], meta[1], strict=False)
+    return tree_map(
+        lambda x: (
+            torch.zeros(x.shape, dtype=x.dtype, device=device) if isinstance(x, torch.Tensor) else x
+        ),
+        out,
+    )
+
+
+class _Recorder(nn.Module):
+    """Records that `path` was called (and whether the blocks had begun), returns zeros."""
+
+    def __init__(self, path: str, real: nn.Module, calls: list[str]) -> None:
+        super().__init__()
+        self.path, self.real, self.calls = path, [real], calls
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        self.calls.append(self.path)
+        return shaped_zeros(self.real[0], args, kwargs, torch.device("cpu"))
+
+
+def sides(
+    model: nn.Module, blocks_path: str, blocks: nn.ModuleList, beside: dict[str, nn.Module]
+) -> dict[str, Side] | None:
+    """For each module of `beside` the forward calls: whether it runs before the blocks,
+    after them, or "between" (among them, or on both sides); None if the probe cannot run
+    (the caller then keeps registration order)."""
+    calls: list[str] = []
+    swaps = {path: _Recorder(path, m, calls) for path, m in beside.items()}
+    swaps.update(
+        {f"{blocks_path}.{i}": _Recorder("<block>", b, calls) for i, b in enumerate(blocks)}
+    )
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    try:
+        with _swapped(model, swaps), torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception:  # noqa: BLE001 (a family the probe cannot run: registration order)
+        return None
+    if "<block>" not in calls:
+        return None
+    first, last = calls.index("<block>"), len(calls) - 1 - calls[::-1].index("<block>")
+    found: dict[str, Side] = {}
+    for i, path in enumerate(calls):
+        if path != "<block>":
+            side = "before" if i < first else "after" if i > last else "between"
+            found[path] = side if found.get(path, side) == side else "between"
+    return found
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, swaps: dict[str, nn.Module]) -> Iterator[None]:
+    done = []
+    try:
+        for path, stand_in in swaps.items():
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            done.append((parent, name, parent._modules[name]))
+            parent._modules[name] = stand_in
+        yield
+    finally:
+        for parent, name, real in reversed(done):
+            parent._modules[name] = real
