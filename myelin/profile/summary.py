@@ -223,6 +223,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             title += f" ({summary['eval_steps']} of them evaluation, numbered with training's)"
         if summary["warmup_steps"] and summary["steps"] and summary["steps"][0] < steps[0]:
             title += f" (after {summary['warmup_steps']} warm-up)"
+        elif summary["warmup_steps"]:  # steady() keeps every step of a run this short
+            title += (
+                f" (every step: the run has no more than the {summary['warmup_steps']} "
+                f"warm-up steps to leave out)"
+            )
     if summary.get("missing_ranks"):
         title += f"; ranks {summary['missing_ranks']} sent no records"
     return "\n".join([title, *text, *format_communication(rows)])

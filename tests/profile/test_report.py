@@ -347,6 +347,15 @@ def test_picture_for_sixteen_ranks(tmp_path):
     assert Image.open(path).size == (1200, 990)
 
 
+def test_a_warm_up_as_long_as_the_run_is_said_to_be_left_in():
+    """--warmup-steps past the run's steps leaves none out; the title says so."""
+    lines = gpipe(2, 4, steps=3)
+    assert "over steps 1-2 (after 1 warm-up)" in report_of(lines).format()
+    text = report_of(lines, warmup=5).format()
+    assert "over steps 0-2 (every step: the run has no more than the 5 warm-up" in text
+    assert "warm-up" not in report_of(lines, warmup=0).format()
+
+
 def test_myelin_profile_command_prints_and_redraws(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     report_of(with_sends(gpipe(2, 4, steps=3))).save(tmp_path / "prof", plot=False)
