@@ -81,6 +81,8 @@ def split(
 ) -> list[list[nn.Module]]:
     """Split the model's layers into `stages` contiguous groups."""
     layers = layers_of(model)
+    if isinstance(model, nn.Module) and not hf.is_hf_model(model):  # HF: shape.py checks
+        _check_nothing_outside(model, layers)
     if partition is None:
         counts = balance([max(1, _params(layer)) for layer in layers], stages)
     else:
@@ -119,6 +121,23 @@ def stage_module(
     if hf.is_hf_model(model):
         return hf.HFStage(model, groups[index], first)
     return StageModule(groups[index], first_layer=first)
+
+
+def _check_nothing_outside(model: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """Stages run only the layers: a parameter or saved buffer the model holds outside
+    them would be neither trained nor saved, so it is named instead."""
+    held = {id(t) for layer in layers for t in layer.state_dict(keep_vars=True).values()}
+    outside = [k for k, t in model.state_dict(keep_vars=True).items() if id(t) not in held]
+    if outside:
+        shown = ", ".join(outside[:5]) + (
+            f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        )
+        raise PartitionError(
+            f"{type(model).__name__} holds {shown} outside every layer of its "
+            f"pipeline_layers(): stages run only those layers, so this state would be "
+            f"neither trained nor saved; move it into a layer (or, for a buffer nothing "
+            f"needs saved, register it with persistent=False)"
+        )
 
 
 def _params(module: nn.Module) -> int:

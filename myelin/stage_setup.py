@@ -53,7 +53,7 @@ def prepare_stage(
     local_names = parameter_names(model, cfg, world.stage)
     clip = None
     if max_grad_norm is not None:
-        clip = _global_norm(max_grad_norm, stages, world, cfg.sync)
+        clip = _global_norm(max_grad_norm, model, stages, world, cfg.sync)
     full = pretrained.full_names(model, stages[world.stage]) if weights else None
     module, tied = place_stage(model, cfg, world)
     if full is not None:
@@ -90,14 +90,17 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
         m.load_state_dict(state)
 
 
-def _global_norm(max_norm: float, stages: list[Any], world: World, sync: Any) -> GlobalNorm:
+def _global_norm(
+    max_norm: float, model: Any, stages: list[Any], world: World, sync: Any
+) -> GlobalNorm:
     """The clip of this rank's stage. Under AllReduce every replica applies the same
     averaged gradient: replica 0's norms, summed over the world, stand for all. Where each
     replica applies its own gradient (`sync.own_gradients`: EASGD, whose gradients are
     never averaged; DASO, whose are at most averaged inside a node, so equal there), each
     replica clips by the norm of its own, as clip_grad_norm_ in its own process would:
     over its pipeline ranks only, and without any collective when it has one stage."""
-    slots, total = norm_slots(stages, world.stage)
+    order = list(model.parameters()) if isinstance(model, nn.Module) else ()
+    slots, total = norm_slots(stages, world.stage, order)
     if not getattr(sync, "own_gradients", False):
         return GlobalNorm(max_norm, slots, total, counts=world.replica == 0, device=world.device)
     stage_count = world.layout.stages

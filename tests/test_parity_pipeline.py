@@ -65,6 +65,15 @@ def test_max_grad_norm_over_stages_equals_clip_grad_norm(job, name):
     assert case(job, name, 0)["param_diff"] == 0.0
 
 
+def test_max_grad_norm_sums_the_norms_in_the_models_order_not_its_layers(job):
+    """clip_grad_norm_ over model.parameters() sums in registration order: a model that
+    registers its head first is clipped bit for bit as one process clips it."""
+    for rank in (0, 1):
+        got = case(job, "clip_head_first", rank)
+        assert got["losses"] == got["want"]
+    assert case(job, "clip_head_first", 0)["unequal"] == []
+
+
 def test_max_grad_norm_over_replicas_equals_clip_grad_norm(job):
     """17.5: the norm of the gradient averaged over replicas (the rounding of the average
     differs from one process's, so to a tolerance)."""

@@ -85,3 +85,32 @@ def test_one_stage_runs_the_models_own_forward():
     assert stage_module(model, 1, 0) is model
     with pytest.raises(PartitionError, match="stage index 2 is out of range of 2"):
         stage_module(model, 2, 2)
+
+
+class _HoldsState(nn.Module):
+    """Layers [inp, Tanh, out], and a parameter and buffers of its own besides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("mask", torch.ones(16))
+        self.register_buffer("scratch", torch.ones(16), persistent=False)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.inp, nn.Tanh(), self.out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x))) * self.temperature
+
+
+def test_state_held_outside_every_layer_is_named_not_dropped():
+    """Stages run only the layers, so a parameter or saved buffer of the model itself would
+    be neither trained nor in state_dict(); one stage runs the model's forward and keeps it."""
+    model = _HoldsState()
+    with pytest.raises(PartitionError, match=r"holds temperature, mask outside every layer"):
+        split(model, 2)
+    assert stage_module(model, 1, 0) is model
+    del model.temperature
+    model.register_buffer("mask", torch.ones(16), persistent=False)
+    assert [len(g) for g in split(model, 2)] == [1, 2]  # a buffer not saved is no loss

@@ -28,22 +28,29 @@ __all__ = ["GlobalNorm", "norm_slots"]
 _ABSENT = -1.0  # the slot of a parameter without a gradient this step
 
 
-def norm_slots(stage_modules: Sequence[nn.Module], stage: int) -> tuple[list[int], int]:
+def norm_slots(
+    stage_modules: Sequence[nn.Module], stage: int, order: Sequence[torch.Tensor] = ()
+) -> tuple[list[int], int]:
     """For each trainable parameter of `stage`, its position in the whole model's order of
     trainable parameters (-1 for a copy of a parameter an earlier stage holds), and the
-    number of positions. `stage_modules` are every stage's modules, before placement."""
-    seen: dict[int, int] = {}
-    mine: list[int] = []
+    number of positions. `stage_modules` are every stage's modules, before placement;
+    `order` is the model's own `parameters()` (its registration order, which may differ
+    from its layers': clip_grad_norm_ sums in it), the layers' order where it is empty."""
+    holder: dict[int, int] = {}  # id -> the position in layer order of its first holder
+    mine: list[int | None] = []  # this stage's parameters' ids, None for a later copy
     for s, module in enumerate(stage_modules):
         for p in module.parameters():
             if not p.requires_grad:
                 continue
-            first = id(p) not in seen
+            first = id(p) not in holder
             if first:
-                seen[id(p)] = len(seen)
+                holder[id(p)] = len(holder)
             if s == stage:
-                mine.append(seen[id(p)] if first else -1)
-    return mine, len(seen)
+                mine.append(id(p) if first else None)
+    in_model = {id(p): i for i, p in enumerate(order)}
+    ranked = sorted(holder, key=lambda i: (i not in in_model, in_model.get(i, 0), holder[i]))
+    slot = {pid: k for k, pid in enumerate(ranked)}
+    return [-1 if pid is None else slot[pid] for pid in mine], len(holder)
 
 
 class GlobalNorm:

@@ -147,6 +147,37 @@ def clip(stages, data_parallel, offload):
     return {"losses": losses, "want": want, "param_diff": diff}
 
 
+class _HeadFirst(nn.Module):
+    """mlp()'s layers, with the head registered first: clip_grad_norm_ sums the norms in
+    registration order, which is not the layers' order here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = list(mlp())
+        self.head = layers[-1]
+        self.body = nn.Sequential(*layers[:-1])
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [*self.body, self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def clip_head_first():
+    data = batches(4)
+    with trainer(_HeadFirst(), stages=2, max_grad_norm=0.05) as t:
+        losses = [t.step(x, y) for x, y in data]
+        state = t.state_dict()
+    model = _HeadFirst()
+    want, masters, _ = reference(model, ADAMW, F.cross_entropy, data, 4, max_grad_norm=0.05)
+    unequal = None
+    if state is not None:
+        named = zip((n for n, _ in model.named_parameters()), masters)
+        unequal = [n for n, w in named if not torch.equal(state[n], w)]
+    return {"losses": losses, "want": want, "unequal": unequal}
+
+
 CASES = {
     "export_bf16": lambda: export("bf16", None),
     "export_bf16_host": lambda: export("bf16", HOST),
@@ -156,6 +187,7 @@ CASES = {
     "clip_stages": lambda: clip(2, 1, None),
     "clip_stages_host": lambda: clip(2, 1, HOST),
     "clip_replicas": lambda: clip(1, 2, None),
+    "clip_head_first": clip_head_first,
 }
 
 
