@@ -114,3 +114,15 @@ def test_state_held_outside_every_layer_is_named_not_dropped():
     del model.temperature
     model.register_buffer("mask", torch.ones(16), persistent=False)
     assert [len(g) for g in split(model, 2)] == [1, 2]  # a buffer not saved is no loss
+
+
+def test_a_stage_output_that_is_not_tensors_names_the_item():
+    from myelin import MyelinError
+    from myelin.runtime.stage import as_tuple
+
+    x = torch.zeros(2)
+    assert as_tuple([x, x]) == (x, x)
+    with pytest.raises(MyelinError, match=r"got tuple whose item 1 is NoneType"):
+        as_tuple((x, None))
+    with pytest.raises(MyelinError, match=r"got dict$"):
+        as_tuple({"x": x})

@@ -32,9 +32,12 @@ def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
+    got = type(value).__name__
+    if isinstance(value, (tuple, list)):
+        i, bad = next((i, v) for i, v in enumerate(value) if not isinstance(v, torch.Tensor))
+        got += f" whose item {i} is {type(bad).__name__} (make it a tensor, or keep it out)"
     raise MyelinError(
-        f"a pipeline stage must take and return a tensor or a tuple of tensors, "
-        f"got {type(value).__name__}"
+        f"a pipeline stage must take and return a tensor or a tuple of tensors, got {got}"
     )
 
 
