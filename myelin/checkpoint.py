@@ -55,6 +55,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: state by layer (reshard.py), any layout loads it; 1: by stage, same layout
+_SHARD_KEYS = {  # what a shard of each format must hold
+    1: ("model", "optimizer", "rng"),
+    2: ("steps_done", "seq", "rng", "extra", "model", "optimizer", "streams"),
+}
 
 
 class Checkpointable(Protocol):
@@ -253,7 +257,18 @@ def _read_shard(vdir: Path, manifest: dict[str, Any], rank: int) -> dict[str, An
         raise CheckpointError(f"{vdir}/manifest.json lists no shard for rank {rank}")
     shard_file = vdir / entry["file"]
     _check_shard(shard_file, entry["sha256"])
-    return torch.load(shard_file, map_location="cpu", weights_only=True)
+    try:
+        shard = torch.load(shard_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (torch raises many kinds for a file not its own)
+        raise CheckpointError(
+            f"{shard_file} is not a myelin shard torch can read with weights_only=True: "
+            f"{type(exc).__name__}: {str(exc)[:300]}"
+        ) from None
+    needed = _SHARD_KEYS[manifest["format"]]
+    missing = [k for k in needed if not isinstance(shard, dict) or k not in shard]
+    if missing:
+        raise CheckpointError(f"{shard_file} is not a myelin shard: it has no {missing}")
+    return shard
 
 
 def _load_by_stage(trainer: Checkpointable, vdir: Path, manifest: dict[str, Any]) -> dict:
@@ -391,10 +406,16 @@ def _read_manifest(vdir: Path) -> dict[str, Any]:
         manifest = json.loads((vdir / "manifest.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{vdir}/manifest.json is unreadable: {exc}") from None
-    if manifest.get("format") not in (1, FORMAT):
+    if not isinstance(manifest, dict) or manifest.get("format") not in (1, FORMAT):
+        found = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(
-            f"{vdir}/manifest.json has format {manifest.get('format')!r}, expected {FORMAT} (or 1)"
+            f"{vdir}/manifest.json has format {found!r}, expected {FORMAT} (or 1)"
         )
+    needed = ("stages", "shards") + (("data_parallel",) if manifest["format"] == FORMAT else ())
+    missing = [k for k in needed if k not in manifest]
+    if missing or not isinstance(manifest["shards"], dict):
+        what = missing or "mapping of shards"
+        raise CheckpointError(f"{vdir}/manifest.json is not a myelin manifest: it has no {what}")
     return manifest
 
 

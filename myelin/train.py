@@ -91,13 +91,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _make_out(cfg: TrainConfig) -> None:
-    """The run directory given, made now: one that cannot be is said before any rank starts."""
+    """The run directory given, made now: one that cannot be, or that holds an earlier
+    run's checkpoint a fresh run would leave beside its own config, is said before any
+    rank starts."""
     if cfg.out is None:
         return
     try:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"out={cfg.out!r}: the run directory cannot be made: {exc}") from None
+    saved = Path(cfg.out) / "checkpoint"
+    if cfg.resume is None and saved.is_dir() and any(saved.iterdir()):
+        try:
+            which = f" (step {checkpoint.steps_saved(saved)})"
+        except (checkpoint.CheckpointError, KeyError, ValueError):
+            which = ""
+        raise ConfigError(
+            f"out={cfg.out!r} holds an earlier run's checkpoint{which}: continue it with "
+            f"--resume {cfg.out}, or start afresh in another --out (or remove {saved})"
+        )
 
 
 def _complete(cfg: TrainConfig) -> bool:

@@ -295,6 +295,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for name in FIELDS:
         if getattr(args, name, None) is not None:
             values[name] = getattr(args, name)
+    if values.get("resume") is not None and not isinstance(values["resume"], str):
+        raise ConfigError(f"resume={values['resume']!r} must be a string: the run to resume")
     if values.get("resume"):
         saved = Path(values["resume"]) / "config.json"
         try:

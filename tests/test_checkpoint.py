@@ -87,6 +87,40 @@ def test_truncated_shard_is_named(tmp_path):
         verify(tmp_path)
 
 
+def test_a_file_that_is_no_myelin_shard_or_manifest_is_named(tmp_path):
+    """Its checksum matches the manifest (written by hand): its content is checked too."""
+    import hashlib
+    import io
+    import json
+    import pickle
+
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        train(trainer, 1)
+        trainer.save(tmp_path)
+    vdir = latest_version(tmp_path)
+    manifest = json.loads((vdir / "manifest.json").read_text())
+
+    def put(payload):
+        (vdir / "rank0.pt").write_bytes(payload)
+        manifest["shards"]["0"]["sha256"] = hashlib.sha256(payload).hexdigest()
+        (vdir / "manifest.json").write_text(json.dumps(manifest))
+
+    other = io.BytesIO()
+    torch.save({"format": 2, "weights": torch.zeros(1)}, other)
+    put(other.getvalue())
+    with pytest.raises(
+        CheckpointError, match=r"rank0.pt is not a myelin shard: it has no \['steps"
+    ):
+        Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path)
+    put(pickle.dumps(print))  # a callable: refused by weights_only, never run
+    with pytest.raises(CheckpointError, match=r"rank0.pt is not a myelin shard torch can read"):
+        Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path)
+    del manifest["stages"]
+    (vdir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"manifest.json is not a myelin manifest: .*stages"):
+        Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path)
+
+
 def test_mismatched_model_says_what_differs(tmp_path):
     with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
         trainer.save(tmp_path)

@@ -293,6 +293,25 @@ def test_main_reports_a_bad_config_without_starting_processes(capsys, monkeypatc
     assert "myelin train: error: stages=4 exceeds" in capsys.readouterr().err
 
 
+def test_a_fresh_run_into_a_directory_holding_a_checkpoint_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """A fresh run would leave the earlier checkpoint beside its own config, and a later
+    --resume would load the earlier run's weights under this run's settings."""
+    monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "latest").write_text("step-00000012")
+    assert main(parse("--n-layer=1", "--stages=1", f"--out={tmp_path / 'run'}")) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run's checkpoint: continue it with --resume" in err
+    toml = tmp_path / "bad.toml"
+    for value in ("5", "true"):
+        toml.write_text(f"resume = {value}\n")
+        shown = "True" if value == "true" else value
+        with pytest.raises(ConfigError, match=f"resume={shown} must be a string"):
+            config_from_args(parse("--config", str(toml)))
+
+
 def test_argv_for_the_ranks_rebuilds_the_config():
     cfg = TrainConfig(steps=11, lr=3e-4, min_lr=1e-5, prompt="x = -1", out="r")
     assert config_from_args(parse(*to_argv(cfg))) == cfg
