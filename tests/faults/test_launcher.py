@@ -178,7 +178,7 @@ try:
                    torch.nn.functional.mse_loss, data_parallel=2,
                    sync=myelin.EASGD(momentum=0.5))
 except myelin.ConfigError as exc:
-    print("caught", type(exc).__name__, flush=True)
+    print(f"caught {type(exc).__name__}", flush=True)  # one write: ranks share the pipe
 """
 
 
