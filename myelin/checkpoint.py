@@ -38,6 +38,7 @@ from myelin.atomic import write_atomic
 from myelin.errors import CheckpointError, ConfigError
 from myelin.offload.optimizer import Updater
 from myelin.runtime.group import World
+from myelin.whole import gather, state_layout  # kept importable from here
 
 __all__ = [
     "Checkpointable",
@@ -333,56 +334,6 @@ def latest_version(path: str | os.PathLike) -> Path:
     if not (vdir / "manifest.json").exists():
         raise CheckpointError(f"{pointer} names {vdir.name}, which has no manifest.json")
     return vdir
-
-
-def state_layout(model: Any, stage_modules: list[torch.nn.Module]) -> list[list[tuple]]:
-    """Per stage, its state_dict entries as (local key, full-model keys, shape, dtype).
-
-    Computed on every rank from the model it was given (eager or meta), so rank 0 can
-    allocate what the other stages send without asking them.
-    """
-    full: dict[int, list[str]] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        full.setdefault(id(t), []).append(key)
-    layout, seen = [], set()
-    for module in stage_modules:
-        entries = []
-        for key, t in module.state_dict(keep_vars=True).items():
-            names = [n for n in full.get(id(t), [key]) if n not in seen]
-            seen.update(names)
-            entries.append((key, names, tuple(t.shape), t.dtype))
-        layout.append(entries)
-    return layout
-
-
-def gather(trainer: Checkpointable, layout: list[list[tuple]]) -> dict[str, torch.Tensor] | None:
-    """The whole model's state_dict on rank 0 (None elsewhere), sent tensor by tensor from
-    replica 0's stages with torch.distributed point-to-point; nothing is pickled. Each
-    stage gives its true weights: the fp32 masters where they exist (half precision,
-    optimizer offload), everything in the dtype the model had when it was given."""
-    world = trainer.world
-    if world.replica != 0 and world.rank != 0:
-        return None
-    mine = reshard.export(trainer.module, trainer.updater)
-    if world.rank != 0:
-        for key, names, _, dtype in layout[world.stage]:
-            if names:
-                dist.send(mine[key].detach().to("cpu", dtype).contiguous(), dst=0)
-        return None
-    out: dict[str, torch.Tensor] = {}
-    for stage, entries in enumerate(layout):
-        src = world.layout.rank_of(stage, 0)
-        for key, names, shape, dtype in entries:
-            if not names:
-                continue  # a tied parameter, already taken from the stage that holds it first
-            if src == 0:
-                t = mine[key].detach().to("cpu", dtype, copy=True)
-            else:
-                t = torch.empty(shape, dtype=dtype)
-                dist.recv(t, src=src)
-            for name in names:
-                out[name] = t
-    return out
 
 
 def _check_model(trainer: Checkpointable, state: dict[str, torch.Tensor], where: Path) -> None:

@@ -65,6 +65,14 @@ class Failures:
         self._old: dict[int, Any] = {}  # signal -> the handler that was there before
         self.signalled: BaseException | None = None  # raised by a handler, maybe swallowed
 
+    @property
+    def ending(self) -> bool:
+        """This rank failed, or a signal stopped it while it has peers (who were stopped
+        too, or are told): its close gathers nothing with them."""
+        return self.failed is not None or (
+            self.signalled is not None and self.transport is not None
+        )
+
     def enter(self, where: str) -> None:
         """The rank starts a step or evaluation (`where`, e.g. "training step 3"). A
         signal's error that Python swallowed (raised inside a weakref callback or a

@@ -96,7 +96,12 @@ class Meter:
         return row
 
 
-def all_reduce(values: list[float], op: str = "sum", waits: Any = None) -> list[float]:
+def all_reduce(
+    values: list[float],
+    op: str = "sum",
+    waits: Any = None,
+    what: str = "fit's agreement of all ranks",
+) -> list[float]:
     """Sum or max over every rank (a tiny gloo all-reduce, no pickling); as is when alone.
     With `waits` (runtime/bounded.py) a lost or departed rank raises instead of hanging."""
     if not dist.is_initialized():
@@ -106,5 +111,5 @@ def all_reduce(values: list[float], op: str = "sum", waits: Any = None) -> list[
     if waits is None:
         dist.all_reduce(t, op=reduce_op)
     else:
-        waits.all_reduce(t, reduce_op, what="fit's agreement of all ranks")
+        waits.all_reduce(t, reduce_op, what=what)
     return t.tolist()

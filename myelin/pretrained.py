@@ -159,7 +159,7 @@ def save(
     stage's `updater`, a parameter's fp32 master is written where one exists (half
     precision, optimizer offload), in the dtype the model had when it was given.
 
-    `layout` is `checkpoint.state_layout`'s: per stage, (local key, model keys, shape,
+    `layout` is `whole.state_layout`'s: per stage, (local key, model keys, shape,
     dtype). Replica 0's ranks each write their stage's file; then rank 0 writes the index
     and the `extras` (objects with a `save_pretrained(folder)`: an HF config, a generation
     config).
@@ -274,5 +274,9 @@ def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
 
 
 def _barrier(world: World) -> None:
+    """Every rank at one point of save_pretrained; a lost peer ends it within seconds."""
     if world.layout.world_size > 1:
-        dist.barrier()
+        if world.waits is not None:
+            world.waits.barrier("save_pretrained")
+        else:
+            dist.barrier()

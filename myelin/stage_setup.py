@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint, compiled, pretrained
+from myelin import compiled, pretrained, whole
 from myelin.config import PipelineConfig
 from myelin.hf.keys import saved_renames
 from myelin.placement import Tied, parameter_names, place_stage, stage_modules
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class PreparedStage:
     module: nn.Module  # this rank's stage, on its device, in the compute dtype
     tied: list[Tied]  # parameters this stage shares with other stages
-    state_layout: Any  # the whole model's state_dict keys by stage (checkpoint.state_layout)
+    state_layout: Any  # the whole model's state_dict keys by stage (whole.state_layout)
     stage_layers: list[Any]  # each stage's layers, which checkpoints move between layouts
     names: list[str]  # the trainable parameters' names in the whole model
     initial: list[torch.Tensor] | None  # fp32 starting values of half-precision masters
@@ -49,7 +49,7 @@ def prepare_stage(
 ) -> PreparedStage:
     """Cut, load (`weights`: a save_pretrained folder), compile and place this rank's stage."""
     stages = stage_modules(model, cfg)
-    state_layout = checkpoint.state_layout(model, stages)
+    state_layout = whole.state_layout(model, stages)
     local_names = parameter_names(model, cfg, world.stage)
     clip = None
     if max_grad_norm is not None:

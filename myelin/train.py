@@ -318,7 +318,7 @@ def _finish(cfg: TrainConfig, trainer: Trainer, run_dir: Path, val_curve: list) 
     write_json(run_dir / "memory" / f"rank{trainer.rank}.json", memory, indent=1)
     slots = [0.0] * trainer.world_size  # every rank's resident memory, for rank 0's summary
     slots[trainer.rank] = float(memory["rss_bytes"])
-    rss = all_reduce(slots)
+    rss = all_reduce(slots, waits=trainer.world.waits, what="the run's memory summary")
     if trainer.rank != 0:
         return
     report.save(run_dir / "profile")  # summary, trace, PNG timeline, raw records

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint, collector, compiled, hf, pretrained, retry, teardown
+from myelin import checkpoint, collector, compiled, hf, pretrained, retry, teardown, whole
 from myelin import fit as fit_loop
 from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
@@ -414,7 +414,7 @@ class Trainer:
         myelin."""
         self._check_usable()
         with self._failures.collective("state_dict()"), self.model_view():
-            return checkpoint.gather(self, self._state_layout)
+            return whole.gather(self, self._state_layout)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write the model as a HuggingFace folder (config.json and safetensors, one file
@@ -481,7 +481,7 @@ class Trainer:
         self._closed = True
         try:
             if self._profile is not None and hasattr(self, "timeline"):
-                failed = self._failures.failed is not None
+                failed = self._failures.ending
                 self._report = finish_profile(
                     self.timeline, self.world, self.sampler, self._profile, failed=failed
                 )

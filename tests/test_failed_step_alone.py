@@ -219,3 +219,22 @@ def test_a_signal_python_swallowed_is_raised_when_the_next_step_begins(tmp_path,
     with pytest.raises(KeyboardInterrupt, match="rank 0 interrupted"):
         failures.enter("training step 2")
     failures.enter("training step 2")  # once
+
+
+def test_a_rank_a_signal_stopped_among_peers_gathers_no_profile_at_close(tmp_path, monkeypatch):
+    """A Ctrl-C that came through outside a step (between steps, or before an eval's
+    guarded part) marks no failure, but the peers were stopped too: a gather at close
+    would wait for them and log their errors as its own."""
+    import signal
+    import sys
+
+    from myelin.failures import Failures
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    failures = Failures(0, 2, tmp_path)
+    assert not failures.ending
+    with pytest.raises(KeyboardInterrupt):
+        failures._on_sigint(signal.SIGINT, None)
+    assert failures.failed is None and not failures.ending  # one rank: its report is whole
+    failures.transport = object()  # (peers to gather with)
+    assert failures.ending

@@ -49,6 +49,7 @@ LAYERS = {
         "myelin.metrics",
         "myelin.lr",
         "myelin.checkpoint",
+        "myelin.whole",
         "myelin.reshard",
         "myelin.pretrained",
         "myelin.stage_setup",

@@ -200,8 +200,9 @@ def finish_profile(
         report = gather_report(timeline, world, sampler, config)
     except PeerLostError:  # a lost peer is the rank's error, raised wherever it is
         raise
-    except Exception as exc:
-        log.warning("rank %d: could not finish the profile: %s", world.rank, exc, exc_info=True)
+    except Exception as exc:  # a peer's own failure (RemoteError) needs no traceback here
+        tb = not isinstance(exc, MyelinError)
+        log.warning("rank %d: could not finish the profile: %s", world.rank, exc, exc_info=tb)
         return None
     try:  # the report is kept whatever becomes of its files
         if world.rank == 0:

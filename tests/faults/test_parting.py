@@ -69,6 +69,7 @@ def check_place(job, victim, ended, *, lost_phrase):
         pytest.param("user", "raise", marks=pytest.mark.slow),
         pytest.param("gather", "raise", marks=pytest.mark.slow),
         pytest.param("checkpoint", "kill", marks=pytest.mark.slow),
+        ("state_dict", "kill"),  # its gather was plain send/recv: gloo's error, unnamed
     ],
 )
 def test_a_rank_that_dies_is_named_wherever_its_peer_is(tmp_path, mode, die):
@@ -77,6 +78,50 @@ def test_a_rank_that_dies_is_named_wherever_its_peer_is(tmp_path, mode, die):
     check_place(job, victim, ended, lost_phrase=phrase)
     if mode in ("close", "user"):  # the launcher names the rank that raised, not its peer
         assert "myelin run: rank 1 failed first" in job.output, job.output[-3000:]
+
+
+def test_a_peer_frozen_during_state_dict_is_named_without_a_launcher(tmp_path):
+    """Ranks started by hand (as on two hosts: no launcher stops the survivor). state_dict's
+    gather was plain send/recv: a frozen peer left rank 0 in C++ until the heartbeats'
+    escalation killed it with no error of its own; its waits are now bounded and polled."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests._procs import WORKERS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base.update(TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(WORKERS / "parting.py"), "--out", str(out), "state_dict"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--die=stop"],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        _, err = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert (out / "rank0.json").exists(), err[-3000:]
+    res = json.loads((out / "rank0.json").read_text())
+    victim = json.loads((out / "victim.json").read_text())
+    assert res["error_type"] == "PeerLostError" and res["lost"] == 1, res
+    assert "nothing came from it" in res["error"], res
+    # frozen, not gone: the heartbeats' 5 s silence, then at most a slice and a look
+    assert res["time"] - victim["time"] < 2 * RAISE_S, res["time"] - victim["time"]
 
 
 def test_a_rank_whose_with_block_raises_is_named_with_its_error(tmp_path):

@@ -532,3 +532,16 @@ def test_finish_profile_never_raises(caplog):
     broken = SimpleNamespace(rank=0)  # no layout, no store: gathering fails
     assert finish_profile(Timeline(0, 0), broken) is None
     assert "could not finish the profile" in caplog.text
+
+
+def test_a_peers_failure_in_the_gather_is_one_line_not_a_traceback(caplog, monkeypatch):
+    from myelin.errors import RemoteError
+    from myelin.profile import report as report_module
+
+    def peer_failed(*args, **kwargs):
+        raise RemoteError(1, "KeyboardInterrupt: rank 1 interrupted")
+
+    monkeypatch.setattr(report_module, "gather_report", peer_failed)
+    assert finish_profile(Timeline(0, 0), SimpleNamespace(rank=0)) is None
+    (record,) = [r for r in caplog.records if "could not finish the profile" in r.message]
+    assert "rank 1 failed" in record.message and not record.exc_info

@@ -8,16 +8,17 @@ place; one stage per rank):
   close       rank 0 is inside trainer.close(), gathering the profile
   gather      rank 0 is inside trainer.profile_report()
   checkpoint  rank 0 is inside trainer.save()
+  state_dict  rank 0 is inside trainer.state_dict(), receiving the last stage's weights
   barrier     rank 0 is inside torch.distributed.barrier()
   user        rank 0 is in its own code between steps (a sleep)
   with        rank 0 is in its 4th training step; the victim raises inside its
               `with Trainer(...)` block (profile on), so it closes with an error in flight
-HOW is `kill` (SIGKILL) or `raise` (an exception in the victim's own code after its last
-step, its trainer left to close at exit). The victim writes the time it died to
-victim.json. With --end-with-error the survivors' errors end their scripts (after their
-records are written), as most scripts' do; at exit, after the trainer's exit handlers,
-each sends itself SIGTERM, as a launcher stopping the job does, and writes exit{r}.json
-if it lived through it.
+HOW is `kill` (SIGKILL), `stop` (SIGSTOP: frozen) or `raise` (an exception in the
+victim's own code after its last step, its trainer left to close at exit). The victim
+writes the time it died to victim.json. With --end-with-error the survivors' errors end
+their scripts (after their records are written), as most scripts' do; at exit, after the
+trainer's exit handlers, each sends itself SIGTERM, as a launcher stopping the job does,
+and writes exit{r}.json if it lived through it.
 
 Uneven runs (rank 1 closes its trainer; it writes the time to victim.json):
   uneven-steps  rank 0 calls trainer.step 3 times, rank 1 twice
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 import myelin
 
-PLACES = ["close", "gather", "checkpoint", "barrier", "user", "with"]
+PLACES = ["close", "gather", "checkpoint", "state_dict", "barrier", "user", "with"]
 UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit"]
 RESUME = ["bad-resume"]
 VICTIM = int(os.environ.get("WORLD_SIZE", 2)) - 1
@@ -100,8 +101,8 @@ def place(args, rank, record):
     if rank == VICTIM:
         time.sleep(1.0)  # rank 0 is in its place by now
         write(args.out, "victim.json", {"time": time.time(), "how": args.die})
-        if args.die == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if args.die in ("kill", "stop"):  # stop: frozen, alive to the OS, silent to peers
+            os.kill(os.getpid(), signal.SIGKILL if args.die == "kill" else signal.SIGSTOP)
         raise RuntimeError("the victim's own code failed after its last step")
     if args.mode == "close":
         trainer.close()
@@ -109,6 +110,8 @@ def place(args, rank, record):
         trainer.profile_report()
     elif args.mode == "checkpoint":
         trainer.save(os.path.join(args.out, "ckpt"))
+    elif args.mode == "state_dict":
+        trainer.state_dict()
     elif args.mode == "barrier":
         dist.barrier()
     elif args.mode == "user":
@@ -187,7 +190,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("mode", choices=PLACES + UNEVEN + RESUME)
-    parser.add_argument("--die", choices=["kill", "raise"], default="kill")
+    parser.add_argument("--die", choices=["kill", "stop", "raise"], default="kill")
     parser.add_argument("--end-with-error", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
