@@ -38,6 +38,7 @@ from myelin.errors import (
 from myelin.offload.budget import DeviceBudget
 from myelin.runtime import launched
 from myelin.runtime.flight import FlightRecorder
+from myelin.runtime.group import World, abandon_groups
 from myelin.runtime.liveness import Liveness, fresh
 from myelin.runtime.transport import Transport
 
@@ -61,9 +62,14 @@ class Failures:
         self.failed: BaseException | None = None
         self.transport: Transport | None = None
         self.liveness: Liveness | None = None
+        self.world: World | None = None
         self.budget: DeviceBudget | None = None
         self._old: dict[int, Any] = {}  # signal -> the handler that was there before
         self.signalled: BaseException | None = None  # raised by a handler, maybe swallowed
+
+    def connected(self, transport: Transport, liveness: Liveness, world: World) -> None:
+        """The rank's peers are reachable: failures are told to them from now on."""
+        self.transport, self.liveness, self.world = transport, liveness, world
 
     @property
     def ending(self) -> bool:
@@ -120,6 +126,8 @@ class Failures:
         self.failed = error
         if self.liveness is not None:
             self.liveness.failed = error
+        if isinstance(error, PeerLostError) and self.world is not None:
+            abandon_groups(self.world)  # a gloo thread may wait on the silent peer forever
         if not isinstance(error, RemoteError):  # (a RemoteError's rank has told already)
             if not isinstance(error, PeerLostError):  # (the lost rank failed first, not this)
                 launched.tell(f"failed {self.rank}")  # the launcher stops the others now

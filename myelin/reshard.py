@@ -29,6 +29,7 @@ from torch import nn
 
 from myelin.errors import MyelinError, PartitionError
 from myelin.partition import StageModule, layers_of
+from myelin.precision import exact_value, keep_exact
 
 __all__ = [
     "ReshardError",
@@ -86,13 +87,12 @@ def stage_keys(module: nn.Module) -> StageKeys:
 
 def export(module: nn.Module, updater: Any) -> dict[str, torch.Tensor]:
     """The stage's state_dict with each trainable parameter's fp32 master in its place where
-    one exists (half precision, optimizer offload): the stage's true weights."""
+    one exists (half precision, optimizer offload), and each frozen one's exact value where
+    half precision rounded it (precision.keep_exact): the stage's true weights."""
     state = module.state_dict()
-    if updater is None:
-        return state
-    masters = updater.master_weights()
-    held = module.state_dict(keep_vars=True)
-    return {k: masters.get(id(held[k]), v) for k, v in state.items()}
+    masters = updater.master_weights() if updater is not None else {}
+    held = module.state_dict(keep_vars=True)  # a frozen weight: its exact value if kept
+    return {k: masters.get(id(held[k]), exact_value(held[k], v)) for k, v in state.items()}
 
 
 def layer_weights(
@@ -179,7 +179,10 @@ def restore(
         for k, v in shard["model"].items():
             saved.setdefault(k, v)
     _check_model(module, sk, saved, where)
-    module.load_state_dict({local: saved[key] for local, key in sk.keys.items()})
+    values = {local: saved[key] for local, key in sk.keys.items()}
+    for local, p in module.named_parameters():  # a frozen one rounded by loading: kept
+        keep_exact(p, values[local], p.dtype)
+    module.load_state_dict(values)
     if updater is not None:
         _restore_optimizer(module, sk, updater, shards, saved, where)
     unmoved = []

@@ -15,7 +15,7 @@ from myelin import compiled, pretrained, whole
 from myelin.config import PipelineConfig
 from myelin.hf.keys import saved_renames
 from myelin.placement import Tied, parameter_names, place_stage, stage_modules
-from myelin.precision import compute_dtype
+from myelin.precision import compute_dtype, keep_exact
 from myelin.reshard import stage_keys
 from myelin.runtime.clip import GlobalNorm, norm_slots
 from myelin.runtime.group import World, new_groups
@@ -73,16 +73,22 @@ def prepare_stage(
             dtype,
             precision,
         )
+    norms = {id(p) for m in module.modules() if isinstance(m, _NORMS) for p in m.parameters()}
+    for p in module.parameters():  # a frozen weight that the cast rounds: kept exact
+        keep_exact(p, p, torch.float32 if id(p) in norms else dtype)  # (BatchNorm stays fp32)
     _cast(module, dtype)
     layers = [stage_keys(m).layers for m in stages]
     return PreparedStage(module, tied, state_layout, layers, names, initial, clip, dtype)
+
+
+_NORMS = nn.modules.batchnorm._BatchNorm  # kept in fp32 under half precision (`_cast`)
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     """`module.to(dtype)`, but BatchNorm layers keep their fp32 weights and running
     statistics (as under autocast; in half precision a running mean stops moving once its
     updates fall under its rounding), their values untouched."""
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = [m for m in module.modules() if isinstance(m, _NORMS)]
     kept = [{k: v.detach().float().clone() for k, v in m.state_dict().items()} for m in norms]
     module.to(dtype)
     for m, state in zip(norms, kept, strict=True):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from myelin import collector
+from myelin.precision import forget_exact
 from myelin.runtime.group import close_world
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ def release(trainer: Trainer) -> None:
     for part in [*hooked, loop.ties if loop is not None else None]:  # on modules and params
         if part is not None:
             part.close()
+    if getattr(trainer, "module", None) is not None:
+        forget_exact(trainer.module)  # frozen weights' exact values (precision.keep_exact)
     if getattr(trainer, "replicas", None) is not None:
         trainer.replicas.close()
     if trainer.liveness is not None:

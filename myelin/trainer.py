@@ -228,7 +228,7 @@ class Trainer:
             self.transport, self.liveness = connect_peers(
                 world, cfg.stages, cfg.transport, self.flight, lambda: self.flight_dir
             )
-            self._failures.transport, self._failures.liveness = self.transport, self.liveness
+            self._failures.connected(self.transport, self.liveness, world)
             me = f"rank {world.rank} ({world.layout.describe(world.rank)})"
             world.waits = Waits(self.liveness, me, cfg.timeout)
             self._failures.catch_sigterm()

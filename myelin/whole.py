@@ -3,8 +3,9 @@
     layout = state_layout(model, stage_modules)   # every rank, from the model it was given
     state = gather(trainer, layout)               # the whole state_dict on rank 0, else None
 
-Tensors travel by torch.distributed point-to-point, each wait bounded (a lost peer is named
-within seconds); nothing is pickled.
+Every rank first meets the others in a bounded barrier (a lost or frozen peer is named
+within seconds); then tensors travel by torch.distributed point-to-point, a transfer that a
+peer's death breaks named as that loss. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def gather(trainer: Any, layout: list[list[tuple]]) -> dict[str, torch.Tensor] |
     stage gives its true weights: the fp32 masters where they exist (half precision,
     optimizer offload), everything in the dtype the model had when it was given."""
     world = trainer.world
+    if world.waits is not None and world.layout.world_size > 1:  # (bounded: a lost or
+        world.waits.barrier("state_dict()")  # frozen peer is named) every rank is here now
     if world.replica != 0 and world.rank != 0:
         return None
     mine = reshard.export(trainer.module, trainer.updater)
@@ -73,8 +76,9 @@ def gather(trainer: Any, layout: list[list[tuple]]) -> dict[str, torch.Tensor] |
 
 
 def _point_to_point(world: World, begin: Any) -> None:
-    """One send or receive of state_dict's gather, bounded: a lost peer is named within
-    seconds (a peer that closed after the same steps is no loss: strict=False)."""
+    """One send or receive of state_dict's gather, between ranks that all passed its
+    barrier; a peer lost during it is named (one that closed after the same steps, once
+    its part is sent, is no loss: strict=False)."""
     if world.waits is None:
         begin().wait()
         return

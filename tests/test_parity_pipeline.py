@@ -74,6 +74,13 @@ def test_max_grad_norm_sums_the_norms_in_the_models_order_not_its_layers(job):
     assert case(job, "clip_head_first", 0)["unequal"] == []
 
 
+def test_a_frozen_weight_tied_across_stages_trains_in_bf16_as_one_process(job):
+    for rank in (0, 1):
+        got = case(job, "frozen_tied_bf16", rank)
+        assert got["losses"] == got["want"]
+    assert case(job, "frozen_tied_bf16", 0)["unequal"] == []
+
+
 def test_max_grad_norm_over_replicas_equals_clip_grad_norm(job):
     """17.5: the norm of the gradient averaged over replicas (the rounding of the average
     differs from one process's, so to a tolerance)."""

@@ -53,6 +53,48 @@ def test_state_dict_under_half_precision_is_the_fp32_masters(precision, offload)
     assert any(not torch.equal(m, m.to(reference.DTYPES[precision]).float()) for m in masters)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_frozen_weight_comes_back_exact_under_half_precision(precision, tmp_path):
+    """A frozen weight has no fp32 master: the stage holds it rounded, and state_dict(),
+    checkpoints and a resume (in any precision) give the value it came in with."""
+    model = mlp_frozen()  # 3.bias is exact in bf16 (and fp16): nothing kept for it
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    data = batches(3)
+    want, masters, _ = reference.train(
+        mlp_frozen(),
+        ADAMW,
+        F.cross_entropy,
+        data,
+        4,
+        precision=precision,
+        loss_scale=2.0**16 if precision == "fp16" else None,
+    )
+    with Trainer(model, ADAMW, F.cross_entropy, microbatches=4, precision=precision) as t:
+        assert [t.step(x, y) for x, y in data] == want
+        state = t.state_dict()
+        t.save(tmp_path)
+        held = t.module.get_parameter("0.weight")
+        assert held.dtype == reference.DTYPES[precision]
+        assert not torch.equal(held.float(), frozen["0.weight"])  # the stage holds it rounded
+    for name, value in frozen.items():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], value), name
+    trained = [n for n, p in mlp().named_parameters() if n not in frozen]
+    for name, master in zip(trained, masters):
+        assert torch.equal(state[name], master), name
+    assert not hasattr(held, "_myelin_exact")  # given back with the model at close
+    for again in (precision, "fp32"):  # resumed: the exact value again, not its rounding
+        with Trainer(mlp_frozen(), ADAMW, F.cross_entropy, precision=again, resume=tmp_path) as t:
+            assert torch.equal(t.state_dict()["0.weight"], frozen["0.weight"]), again
+
+
+def mlp_frozen():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    model[3].bias.requires_grad_(False)
+    model[3].bias.data = model[3].bias.data.to(torch.bfloat16).float()
+    return model
+
+
 # -- 17.7: half-precision gradients are summed over microbatches in fp32 ----------------------
 
 

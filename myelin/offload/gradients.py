@@ -47,11 +47,13 @@ class Gradients:
         return self.holders[i].grad
 
     def holders_of(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors whose `.grad` is the fp32 gradient of each of `params`."""
+        """The tensors whose `.grad` is the fp32 gradient of each of `params` that trains
+        (a frozen one has none: a frozen weight tied across stages has nothing to sum)."""
+        trained = [p for p in params if p.requires_grad]
         if not self.half:
-            return list(params)
+            return trained
         index = {id(p): i for i, p in enumerate(self.params)}
-        return [self.holders[index[id(p)]] for p in params]
+        return [self.holders[index[id(p)]] for p in trained]
 
     def bytes_per_step(self) -> int:
         """Bytes the step's gradients take on the device."""

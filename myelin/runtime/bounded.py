@@ -151,20 +151,18 @@ class Waits:
         self.until(done, what, strict)
 
     def point_to_point(self, begin: Callable[[], Any], what: str, strict: bool = False) -> None:
-        """Start a send or receive (`begin()`: dist.isend/irecv) and wait for it by polling:
-        gloo closes the pair when a point-to-point wait times out, so it is never given a
-        timeout, and a peer that is slow (or frozen) stays a wait, not an error."""
+        """Start a send or receive (`begin()`: dist.isend/irecv) and wait for it whole: gloo
+        closes the pair when a point-to-point wait times out, so it cannot be waited for a
+        slice at a time. Call it with every peer known to be there (after a `barrier`);
+        a peer lost during it breaks the transfer, and the loss is named."""
         work = self.start(begin, what, strict)
-        pause = iter((_STORE_POLL_S[0] / 10,) * 100)
-
-        def done(slice_s: float) -> bool:
-            if work.is_completed():
-                work.wait()  # raises the transfer's own error, if it failed
-                return True
-            time.sleep(min(slice_s, next(pause, _STORE_POLL_S[0])))
-            return False
-
-        self.until(done, what, strict)
+        try:
+            work.wait()
+        except MyelinError:
+            raise
+        except Exception as exc:
+            self._explain(exc, what, strict)
+            raise
 
     def keys(self, store: Any, keys: list[str], what: str, timeout_s: float | None = None) -> None:
         """Wait until every key is set in the torch.distributed store."""

@@ -246,12 +246,21 @@ def close_world(world: World, peer_lost: bool = False) -> None:
     if not dist.is_initialized():
         return
     if peer_lost:
-        for group in [*world.extra_groups, dist.group.WORLD]:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-        atexit.unregister(_destroy_default_group)
+        abandon_groups(world)
     else:
         for group in world.extra_groups:
             dist.destroy_process_group(group)
+    world.extra_groups.clear()
+
+
+def abandon_groups(world: World) -> None:
+    """After a lost peer: this trainer's groups and the default one are never destroyed
+    (see close_world), here, at exit or when garbage-collected; safe to call twice."""
+    if not dist.is_initialized():
+        return
+    for group in [*world.extra_groups, dist.group.WORLD]:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    atexit.unregister(_destroy_default_group)
     world.extra_groups.clear()
 
 
@@ -270,6 +279,8 @@ def _all_reduce(t: torch.Tensor, group: Any, waits: Any, op: Any = None) -> None
 
 def sum_gradients(params: list[torch.nn.Parameter], group: Any, waits: Any = None) -> None:
     """All-reduce (sum) the gradients of `params` over `group`, a missing one as zeros."""
+    if not params:  # (every holder has the same list: all frozen, none calls the group)
+        return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     _all_reduce(flat, group, waits)

@@ -178,6 +178,47 @@ def clip_head_first():
     return {"losses": losses, "want": want, "unequal": unequal}
 
 
+class _Head(nn.Module):
+    """A head whose weight is the embedding's (tied across the two stages)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ self.embedding.weight.t()).flatten(0, 1)
+
+
+def _frozen_tied() -> nn.Sequential:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(32, 16)
+    embedding.weight.requires_grad_(False)
+    return nn.Sequential(
+        embedding, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), _Head(embedding)
+    )
+
+
+def frozen_tied_bf16():
+    """A frozen embedding tied to the head on the other stage, in bf16: nothing to sum
+    between the holders (it failed with a KeyError), the rest trains as one process."""
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 32, (8, 6), generator=g) for _ in range(3)]
+    data = [(x, x.flatten()) for x in data]
+    with trainer(_frozen_tied(), stages=2, partition=[2, 3], precision="bf16") as t:
+        losses = [t.step(x, y) for x, y in data]
+        state = t.state_dict()
+    model = _frozen_tied()
+    frozen = model[0].weight.detach().clone()
+    want, masters, _ = reference(model, ADAMW, F.cross_entropy, data, 4, precision="bf16")
+    names = [n for n, p in _frozen_tied().named_parameters() if p.requires_grad]
+    unequal = None
+    if state is not None:
+        unequal = [n for n, m in zip(names, masters) if not torch.equal(state[n], m)]
+        if not torch.equal(state["0.weight"], frozen):
+            unequal.append("0.weight")
+    return {"losses": losses, "want": want, "unequal": unequal}
+
+
 CASES = {
     "export_bf16": lambda: export("bf16", None),
     "export_bf16_host": lambda: export("bf16", HOST),
@@ -188,6 +229,7 @@ CASES = {
     "clip_stages_host": lambda: clip(2, 1, HOST),
     "clip_replicas": lambda: clip(1, 2, None),
     "clip_head_first": clip_head_first,
+    "frozen_tied_bf16": frozen_tied_bf16,
 }
 
 
