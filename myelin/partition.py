@@ -81,8 +81,8 @@ def split(
 ) -> list[list[nn.Module]]:
     """Split the model's layers into `stages` contiguous groups."""
     layers = layers_of(model)
-    if isinstance(model, nn.Module) and not hf.is_hf_model(model):  # HF: shape.py checks
-        _check_nothing_outside(model, layers)
+    if hasattr(model, "pipeline_layers") and (stages > 1 or partition is not None):
+        _check_nothing_outside(model, layers)  # (an nn.Sequential's layers hold it all)
     if partition is None:
         counts = balance([max(1, _params(layer)) for layer in layers], stages)
     else:
@@ -127,7 +127,14 @@ def _check_nothing_outside(model: nn.Module, layers: Sequence[nn.Module]) -> Non
     """Stages run only the layers: a parameter or saved buffer the model holds outside
     them would be neither trained nor saved, so it is named instead."""
     held = {id(t) for layer in layers for t in layer.state_dict(keep_vars=True).values()}
-    outside = [k for k, t in model.state_dict(keep_vars=True).items() if id(t) not in held]
+    inside = {id(m) for layer in layers for m in layer.modules()}
+
+    def out(key: str, t: object) -> bool:
+        if key.endswith("_extra_state"):  # made anew by each state_dict(): by its module
+            return id(model.get_submodule(key.rpartition(".")[0])) not in inside
+        return id(t) not in held
+
+    outside = [k for k, t in model.state_dict(keep_vars=True).items() if out(k, t)]
     if outside:
         shown = ", ".join(outside[:5]) + (
             f" and {len(outside) - 5} more" if len(outside) > 5 else ""

@@ -101,7 +101,7 @@ def _make_out(cfg: TrainConfig) -> None:
     except OSError as exc:
         raise ConfigError(f"out={cfg.out!r}: the run directory cannot be made: {exc}") from None
     saved = Path(cfg.out) / "checkpoint"
-    if cfg.resume is None and saved.is_dir() and any(saved.iterdir()):
+    if not cfg.resume and saved.is_dir() and any(saved.iterdir()):
         try:
             which = f" (step {checkpoint.steps_saved(saved)})"
         except (checkpoint.CheckpointError, KeyError, ValueError):

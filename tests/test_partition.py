@@ -116,6 +116,40 @@ def test_state_held_outside_every_layer_is_named_not_dropped():
     assert [len(g) for g in split(model, 2)] == [1, 2]  # a buffer not saved is no loss
 
 
+class _Extra(nn.Linear):
+    """A layer with extra state (made anew by each state_dict() call)."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([1.0])
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        pass
+
+
+def test_extra_state_inside_a_layer_is_not_outside():
+    model = nn.Sequential(_Extra(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert [len(g) for g in split(model, 2)] == [1, 2]
+    holder = _HoldsState()
+    del holder.temperature
+    holder.register_buffer("mask", torch.ones(16), persistent=False)
+    holder.inp = _Extra(8, 16)
+    assert [len(g) for g in split(holder, 2)] == [1, 2]
+
+    class Own(_HoldsState):  # the model's own extra state: outside every layer
+        def get_extra_state(self) -> torch.Tensor:
+            return torch.tensor([2.0])
+
+        def set_extra_state(self, state: torch.Tensor) -> None:
+            pass
+
+    own = Own()
+    del own.temperature
+    own.register_buffer("mask", torch.ones(16), persistent=False)
+    with pytest.raises(PartitionError, match=r"holds _extra_state outside every layer"):
+        split(own, 2)
+    assert len(split(own, 1)) == 1  # one stage runs the model's own forward
+
+
 def test_a_stage_output_that_is_not_tensors_names_the_item():
     from myelin import MyelinError
     from myelin.runtime.stage import as_tuple

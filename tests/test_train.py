@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from myelin import train as train_module
 from myelin.data import Batches, is_validation, load_stdlib_text, source_files, stdlib_root
 from myelin.errors import ConfigError
 from myelin.models import GPT
@@ -304,6 +305,8 @@ def test_a_fresh_run_into_a_directory_holding_a_checkpoint_is_refused(
     assert main(parse("--n-layer=1", "--stages=1", f"--out={tmp_path / 'run'}")) == 2
     err = capsys.readouterr().err
     assert "holds an earlier run's checkpoint: continue it with --resume" in err
+    with pytest.raises(ConfigError, match="holds an earlier run's checkpoint"):
+        train_module._make_out(config_from_args(parse(f"--out={tmp_path / 'run'}", "--resume=")))
     toml = tmp_path / "bad.toml"
     for value in ("5", "true"):
         toml.write_text(f"resume = {value}\n")
