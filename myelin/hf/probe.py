@@ -11,14 +11,14 @@ on the meta device (`shaped_zeros`): no weight is read, so a model built under
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["shaped_zeros", "sides"]
+__all__ = ["shaped_zeros", "sides", "swapped"]
 
 Side = Literal["before", "after", "between"]
 
@@ -74,7 +74,7 @@ def sides(
     )
     ids = torch.zeros(1, 2, dtype=torch.long)
     try:
-        with _swapped(model, swaps), torch.no_grad():
+        with swapped((*_at(model, p), m) for p, m in swaps.items()), torch.no_grad():
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except Exception:  # noqa: BLE001 (a family the probe cannot run: registration order)
         return None
@@ -90,15 +90,20 @@ def sides(
 
 
 @contextlib.contextmanager
-def _swapped(model: nn.Module, swaps: dict[str, nn.Module]) -> Iterator[None]:
+def swapped(swaps: Iterable[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
+    """Each (parent, name, stand-in): the stand-in in the parent's child `name` for the
+    length of the block, the real child put back after it whatever happens."""
     done = []
     try:
-        for path, stand_in in swaps.items():
-            parent_path, _, name = path.rpartition(".")
-            parent = model.get_submodule(parent_path)
+        for parent, name, stand_in in swaps:
             done.append((parent, name, parent._modules[name]))
             parent._modules[name] = stand_in
         yield
     finally:
         for parent, name, real in reversed(done):
             parent._modules[name] = real
+
+
+def _at(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, name = path.rpartition(".")
+    return model.get_submodule(parent), name

@@ -21,14 +21,14 @@ probe found it on (shape.py), a stand-in is reached at the wrong moment and says
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from myelin.errors import MyelinError, PartitionError
-from myelin.hf.probe import shaped_zeros
+from myelin.hf.probe import shaped_zeros, swapped
 from myelin.hf.shape import AUX_LOSS, BY_HAND, Found, find
 from myelin.layers import StageModule
 
@@ -257,18 +257,9 @@ class HFStage(StageModule):
             )
         return hidden, inputs
 
-    @contextlib.contextmanager
-    def _standing_in(self) -> Iterator[None]:
+    def _standing_in(self) -> contextlib.AbstractContextManager[None]:
         """Stand-ins in the model for what this stage does not hold, for one forward."""
-        swapped = []
-        try:
-            for parent, name, stand_in in self._swaps:
-                swapped.append((parent, name, parent._modules[name]))
-                parent._modules[name] = stand_in
-            yield
-        finally:
-            for parent, name, real in reversed(swapped):
-                parent._modules[name] = real
+        return swapped(self._swaps)
 
     def _everywhere_on(self, device: torch.device) -> None:
         """The stateless modules every stage runs (rotary tables) materialised on `device`."""
