@@ -1,24 +1,27 @@
 """Where a HuggingFace model's forward uses each module, found by one forward of stand-ins.
 
 Registration order does not always say it: OPT registers its final norm and output
-projection before its blocks and runs them after. `sides` runs the model's own forward on
+projection before its blocks and runs them after. `probe` runs the model's own forward on
 two tokens with every module beside the path to the blocks (and every block) replaced by
 a stand-in that records the call and returns zeros shaped as the module's output, computed
 on the meta device (`shaped_zeros`): no weight is read, so a model built under
-`init_empty` is probed as cheaply as a real one.
+`init_empty` is probed as cheaply as a real one. It also finds whether a block returns a
+tuple (Falcon's, Bloom's: the model takes `outputs[0]`), which a stage's stand-ins for
+blocks it does not hold must return too.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["shaped_zeros", "sides", "swapped"]
+__all__ = ["Probed", "probe", "shaped_zeros", "swapped"]
 
 Side = Literal["before", "after", "between"]
 
@@ -55,22 +58,36 @@ class _Recorder(nn.Module):
     def __init__(self, path: str, real: nn.Module, calls: list[str]) -> None:
         super().__init__()
         self.path, self.real, self.calls = path, [real], calls
+        self.returned: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
         self.calls.append(self.path)
-        return shaped_zeros(self.real[0], args, kwargs, torch.device("cpu"))
+        self.returned = shaped_zeros(self.real[0], args, kwargs, torch.device("cpu"))
+        return self.returned
 
 
-def sides(
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """What one forward of stand-ins found."""
+
+    sides: dict[str, Side]  # each module the forward called: before, after or between
+    block_tuple: bool  # a block returns a tuple whose first item is the hidden state
+
+
+def probe(
     model: nn.Module, blocks_path: str, blocks: nn.ModuleList, beside: dict[str, nn.Module]
-) -> dict[str, Side] | None:
+) -> Probed | None:
     """For each module of `beside` the forward calls: whether it runs before the blocks,
-    after them, or "between" (among them, or on both sides); None if the probe cannot run
-    (the caller then keeps registration order)."""
+    after them, or "between" (among them, or on both sides); and what a block returns.
+    None if the probe cannot run (the caller then keeps registration order)."""
     calls: list[str] = []
     swaps = {path: _Recorder(path, m, calls) for path, m in beside.items()}
+    first_block = _Recorder("<block>", blocks[0], calls)
     swaps.update(
-        {f"{blocks_path}.{i}": _Recorder("<block>", b, calls) for i, b in enumerate(blocks)}
+        {
+            f"{blocks_path}.{i}": first_block if i == 0 else _Recorder("<block>", b, calls)
+            for i, b in enumerate(blocks)
+        }
     )
     ids = torch.zeros(1, 2, dtype=torch.long)
     try:
@@ -86,7 +103,7 @@ def sides(
         if path != "<block>":
             side = "before" if i < first else "after" if i > last else "between"
             found[path] = side if found.get(path, side) == side else "between"
-    return found
+    return Probed(found, isinstance(first_block.returned, tuple))
 
 
 @contextlib.contextmanager

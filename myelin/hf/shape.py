@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from myelin.errors import PartitionError
-from myelin.hf.probe import sides
+from myelin.hf.probe import Probed, probe
 
 __all__ = ["AUX_LOSS", "BY_HAND", "Found", "find", "is_hf_model"]
 
@@ -52,6 +52,7 @@ class Found:
     before: dict[str, nn.Module]  # stateful modules run before the blocks
     after: dict[str, nn.Module]  # stateful modules run after them
     everywhere: dict[str, nn.Module]  # stateless modules along the path: every stage runs them
+    block_tuple: bool = False  # a block returns (hidden, ...), not the hidden state alone
 
 
 def _check_causal(model: nn.Module, name: str) -> None:
@@ -103,15 +104,16 @@ def find(model: nn.Module) -> Found:
             f"{sorted(keep_whole)} (its `_no_split_modules`), {found}; {BY_HAND}"
         )
     blocks_path, blocks = lists[0]
-    before, after, everywhere = _around(model, blocks_path, blocks)
+    probed = probe(model, blocks_path, blocks, _beside(model, blocks_path)[0])
+    before, after, everywhere = _around(model, blocks_path, probed)
     _check_ends(model, before, after)
-    return Found(blocks_path, blocks, before, after, everywhere)
+    block_tuple = probed is not None and probed.block_tuple
+    return Found(blocks_path, blocks, before, after, everywhere, block_tuple)
 
 
-def _around(model: nn.Module, blocks_path: str, blocks: nn.ModuleList) -> tuple[dict, dict, dict]:
-    """The modules beside the path from `model` down to the blocks, sorted by whether they
-    hold state and run before or after the blocks: where the model's forward calls them
-    (probe.py), or where they are registered if the probe cannot run or never calls them."""
+def _beside(model: nn.Module, blocks_path: str) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """The modules beside the path from `model` down to the blocks, and the side of the
+    path each is registered on ("before" or "after")."""
     registered: dict[str, str] = {}
     beside: dict[str, nn.Module] = {}
     node, prefix = model, ""
@@ -132,7 +134,15 @@ def _around(model: nn.Module, blocks_path: str, blocks: nn.ModuleList) -> tuple[
             beside[prefix + child_name] = child
             registered[prefix + child_name] = side
         node, prefix = getattr(node, part), f"{prefix}{part}."
-    used = sides(model, blocks_path, blocks, beside) or {}
+    return beside, registered
+
+
+def _around(model: nn.Module, blocks_path: str, probed: Probed | None) -> tuple[dict, dict, dict]:
+    """The modules beside the blocks sorted by whether they hold state and run before or
+    after the blocks: where the model's forward calls them (`probed`), or where they are
+    registered if the probe could not run or never called them."""
+    beside, registered = _beside(model, blocks_path)
+    used = probed.sides if probed is not None else {}
     before: dict[str, nn.Module] = {}
     after: dict[str, nn.Module] = {}
     everywhere: dict[str, nn.Module] = {}

@@ -114,22 +114,29 @@ class _Head(nn.Module):
 
 
 class _PassThrough(nn.Module):
-    """A block of an earlier stage: its input goes on unchanged."""
+    """A block of an earlier stage: its input goes on unchanged (as `(hidden,)` where the
+    family's blocks return a tuple)."""
 
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:  # noqa: D102
-        return _hidden_of(args, kwargs)
+    def __init__(self, as_tuple: bool) -> None:
+        super().__init__()
+        self.as_tuple = as_tuple
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor | tuple:  # noqa: D102
+        hidden = _hidden_of(args, kwargs)
+        return (hidden,) if self.as_tuple else hidden
 
 
 class _Received(nn.Module):
-    """The last block, for a stage holding only the head: yields the received hidden state."""
+    """The last block, for a stage holding only the head: yields the received hidden state
+    (as `(hidden,)` where the family's blocks return a tuple)."""
 
-    def __init__(self, call: _Call) -> None:
+    def __init__(self, call: _Call, as_tuple: bool) -> None:
         super().__init__()
-        self.call = call
+        self.call, self.as_tuple = call, as_tuple
 
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:  # noqa: D102
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor | tuple:  # noqa: D102
         self.call.took_hidden = True
-        return self.call.hidden
+        return (self.call.hidden,) if self.as_tuple else self.call.hidden
 
 
 class _Edge(nn.Module):
@@ -188,8 +195,11 @@ class HFStage(StageModule):
             layer, path = i + 1, f"{found.blocks_path}.{i}"
             if layer < first:
                 last_before_head = layer == n and first == n + 1
+                as_tuple = found.block_tuple
                 self._swap(
-                    model, path, _Received(self._call) if last_before_head else _PassThrough()
+                    model,
+                    path,
+                    _Received(self._call, as_tuple) if last_before_head else _PassThrough(as_tuple),
                 )
             elif layer < end:
                 takes_hidden = layer == first

@@ -177,20 +177,46 @@ def test_a_module_the_forward_runs_on_both_sides_of_the_blocks_is_named():
     from myelin.hf import probe, shape
 
     odd = _Odd(twice=False)
-    assert probe.sides(
-        odd, "layers", odd.layers, {"embed": odd.embed, "norm": odd.norm, "head": odd.head}
-    ) == {
-        "embed": "before",
-        "norm": "after",
-        "head": "after",
-    }
-    before, after, _ = shape._around(odd, "layers", odd.layers)
+    beside = {"embed": odd.embed, "norm": odd.norm, "head": odd.head}
+    probed = probe.probe(odd, "layers", odd.layers, beside)
+    assert probed.sides == {"embed": "before", "norm": "after", "head": "after"}
+    assert not probed.block_tuple  # a Linear returns the hidden state alone
+    before, after, _ = shape._around(odd, "layers", probed)
     assert list(before) == ["embed"] and sorted(after) == ["head", "norm"]
     odd = _Odd(twice=True)
+    probed = probe.probe(odd, "layers", odd.layers, beside | {"norm": odd.norm})
     with pytest.raises(
         PartitionError, match=r"uses norm, which holds weights, among its blocks or on both sides"
     ):
-        shape._around(odd, "layers", odd.layers)
+        shape._around(odd, "layers", probed)
+
+
+@pytest.mark.parametrize(
+    ("config", "tuple_blocks"),
+    [
+        (
+            tf.FalconConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4
+            ),
+            True,
+        ),
+        (tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=4, n_head=4), True),
+        (fam.config("llama"), False),
+    ],
+    ids=["falcon", "bloom", "llama"],
+)
+def test_a_stage_of_the_head_alone_runs_for_blocks_that_return_tuples(config, tuple_blocks):
+    """Falcon's and Bloom's blocks return (hidden, ...) and the model takes outputs[0]: a
+    stage's stand-in for the last block must too (it gave row 0 of the batch: IndexError)."""
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    assert hf.find(model).block_tuple == tuple_blocks
+    ids, mask, _ = fam.batch(0)
+    out = (ids, mask)
+    for s in range(3):  # [embeddings], [4 blocks], [head]
+        module = stage_module(model, 3, s, partition=[1, 4, 1])
+        out = module(*(out if isinstance(out, tuple) else (out,)))
+    assert torch.equal(out, model(input_ids=ids, attention_mask=mask).logits)
 
 
 def test_stage_inputs_that_are_not_token_ids_are_named():
