@@ -75,6 +75,12 @@ class PipelineConfig:
             raise ConfigError(f"schedule={self.schedule!r} must be one of {', '.join(SCHEDULES)}")
         if self.max_inflight is not None:
             _positive_int("max_inflight", self.max_inflight)
+            if self.schedule in ("gpipe", "1f1b"):
+                raise ConfigError(
+                    f"max_inflight={self.max_inflight} bounds the message-driven schedules; "
+                    f"schedule={self.schedule!r} is a fixed order, which sets how many "
+                    f"microbatches are in flight itself"
+                )
         if self.partition is not None:
             if not isinstance(self.partition, (list, tuple)):
                 raise ConfigError(f"partition={self.partition!r} must be a list of layer counts")

@@ -133,6 +133,8 @@ def fit(
     `log_every` is refused), `progress` a bar of epochs, and `checkpoint_every` counts epochs.
     """
     _check_fit_args(steps, epochs, max_seconds, eval_every, log_every, eval_loader)
+    if (epochs or 1) > 1 and isinstance(loader, Iterator):  # (caught later if it hides it)
+        raise ConfigError(f"fit: epochs={epochs} over a one-shot iterator; {_ONE_SHOT}")
     _check_count("fit", "eval_batches", eval_batches)
     if callable(callbacks) or isinstance(callbacks, str) or not isinstance(callbacks, Iterable):
         raise ConfigError(f"fit: callbacks={callbacks!r} must be a list of callbacks")
@@ -324,10 +326,24 @@ def _check_last_batch(loader: Any, microbatches: int, where: str) -> None:
         )
 
 
+_ONE_SHOT = (
+    "a one-shot iterator (a generator) cannot be passed over again: give a loader that can "
+    "(a list, a DataLoader) or epochs=1"
+)
+
+
 def _batches(loader: Iterable, steps: int | None, epochs: int) -> Iterator[Any]:
     if steps is None:
-        for _ in range(epochs):
-            yield from loader
+        for epoch in range(epochs):
+            given = 0
+            for batch in loader:
+                yield batch
+                given += 1
+            if not given and epoch:
+                raise ConfigError(
+                    f"fit: the loader gave no batches on its pass {epoch + 1} of "
+                    f"epochs={epochs}; {_ONE_SHOT}"
+                )
         return
     given = 0
     while given < steps:

@@ -79,7 +79,9 @@ class Meter:
         values += [last, avg] if self.local_loss else []
         busy, wall, seconds, *losses = all_reduce(values, waits=self.waits)
         mine = [float(self.tokens if r == self.replica else 0) for r in range(self.replicas)]
-        tokens = sum(all_reduce(mine, "max", self.waits))  # a replica's: its ranks' count
+        *counts, lr_seen = all_reduce([*mine, -1.0 if lr is None else lr], "max", self.waits)
+        tokens = sum(counts)  # a replica's: its ranks' count
+        lr = lr_seen if lr_seen >= 0 else None  # (a stage without parameters has none)
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         if losses:  # the ranks of a replica hold its loss: the sum over ranks / ranks
             last, avg = losses[0] / ranks, losses[1] / ranks

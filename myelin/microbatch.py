@@ -28,6 +28,8 @@ def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:
             )
         return batch
     tensors = batch if isinstance(batch, tuple) else (batch,)
+    if not tensors:
+        raise ConfigError(f"{what} is an empty tuple; pass a tensor or a tuple of tensors")
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ConfigError(

@@ -28,7 +28,8 @@ def state_layout(model: Any, stage_modules: list[torch.nn.Module]) -> list[list[
     allocate what the other stages send without asking them.
     """
     full: dict[int, list[str]] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    whole = model if isinstance(model, torch.nn.Module) else torch.nn.ModuleList(model)
+    for key, t in whole.state_dict(keep_vars=True).items():  # (a list: keyed as a Sequential)
         full.setdefault(id(t), []).append(key)
     layout, seen = [], set()
     for module in stage_modules:

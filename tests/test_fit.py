@@ -381,6 +381,25 @@ def test_a_one_shot_loader_shorter_than_steps_says_so():
         t.fit((b for b in batches), steps=5, progress=False)
 
 
+def test_epochs_over_a_one_shot_loader_say_so():
+    """A generator is passed over once: epochs=2 over it trained one epoch without a word."""
+    batches = list(DataLoader(data(24), batch_size=8))
+    with trainer() as t:
+        with pytest.raises(ConfigError, match="epochs=2 over a one-shot iterator"):
+            t.fit((b for b in batches), epochs=2, progress=False)
+        assert t.steps_done == 0
+
+        class Once:  # an iterable that is no iterator, but gives its batches once
+            def __init__(self):
+                self.left = iter(batches)
+
+            def __iter__(self):
+                return self.left
+
+        with pytest.raises(ConfigError, match="no batches on its pass 2 of epochs=2"):
+            t.fit(Once(), epochs=2, progress=False)
+
+
 @pytest.mark.parametrize("epochs", [1, 3])
 def test_an_empty_loader_is_an_error_not_a_silent_return(epochs):
     with trainer() as t, pytest.raises(ConfigError, match="gave no batches"):

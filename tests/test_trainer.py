@@ -127,6 +127,17 @@ def test_split_batch_shapes_and_errors():
         split_batch((torch.zeros(4), torch.zeros(3)), 2, "inputs")
     with pytest.raises(ConfigError, match="0-d"):
         split_batch(torch.tensor(1.0), 1, "inputs")
+    with pytest.raises(ConfigError, match="inputs is an empty tuple"):
+        split_batch((), 1, "inputs")
+
+
+def test_max_inflight_is_refused_for_a_fixed_schedule():
+    from myelin.config import PipelineConfig
+
+    assert PipelineConfig(schedule="zero-bubble", max_inflight=1).max_inflight == 1
+    for schedule in ("gpipe", "1f1b"):  # (it was taken and ignored)
+        with pytest.raises(ConfigError, match=f"schedule='{schedule}' is a fixed order"):
+            PipelineConfig(schedule=schedule, max_inflight=1)
 
 
 @pytest.mark.parametrize(
@@ -224,3 +235,13 @@ def test_close_takes_every_hook_off_the_users_model(precision):
     x = torch.randn(4, 6, dtype=next(model.parameters()).dtype)
     model(x).sum().backward()  # the user's own backward keeps its gradients
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_plain_list_of_modules_trains_in_one_process():
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)]
+    with Trainer(layers, functools.partial(torch.optim.SGD, lr=0.1), F.cross_entropy) as t:
+        t.step(torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))
+        state = t.state_dict()
+    nn.Sequential(*[nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)]).load_state_dict(state)
+    assert torch.equal(state["0.weight"], layers[0].weight)
