@@ -16,6 +16,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,8 @@ from myelin.replicas import Context, Strategy
 from myelin.replicas.flat import flatten
 from myelin.replicas.hogbatch_run import Run, counters
 from myelin.replicas.hogbatch_store import load_flat
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "HogbatchStrategy",
@@ -290,7 +293,10 @@ def check_loss_fn(loss_fn: Any) -> None:
 def check_model(model: torch.nn.Module) -> None:
     """Only parameters are shared: buffers a training forward updates (BatchNorm's running
     statistics, spectral_norm's power iteration) would stay in each worker's copy and never
-    reach the model, so such a module is a ConfigError."""
+    reach the model, so such a module is a ConfigError. A float64 model trains in the
+    shared fp32 copy, with a warning (as the Trainer casts one to its precision)."""
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        log.warning("Hogbatch: the model's float64 parameters train as fp32 (the one shared copy)")
     for name, m in model.named_modules():
         where = f"module {name or '(the model)'!r} ({type_before_parametrizations(m).__name__})"
         if (

@@ -91,6 +91,15 @@ def test_a_model_with_running_statistics_is_refused_naming_the_module():
     )
 
 
+def test_a_float64_model_is_said_to_train_as_fp32(caplog):
+    from myelin.replicas.hogbatch_strategy import check_model
+
+    check_model(torch.nn.Linear(2, 2))
+    assert "float64" not in caplog.text
+    check_model(torch.nn.Linear(2, 2).double())  # the one shared copy is fp32
+    assert "float64 parameters train as fp32" in caplog.text
+
+
 def test_a_parametrized_model_trains_as_sgd_does_and_spectral_norm_is_refused():
     from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
