@@ -53,7 +53,8 @@ def shaped_zeros(
 
 
 class _Recorder(nn.Module):
-    """Records that `path` was called (and whether the blocks had begun), returns zeros."""
+    """Records that `path` was called and returns zeros shaped as its output (a later
+    block: what the first block returned, so the blocks run on the meta device once)."""
 
     def __init__(
         self, path: str, real: nn.Module, calls: list[str], like: _Recorder | None = None

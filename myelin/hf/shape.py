@@ -104,8 +104,9 @@ def find(model: nn.Module) -> Found:
             f"{sorted(keep_whole)} (its `_no_split_modules`), {found}; {BY_HAND}"
         )
     blocks_path, blocks = lists[0]
-    probed = probe(model, blocks_path, blocks, _beside(model, blocks_path)[0])
-    before, after, everywhere = _around(model, blocks_path, probed)
+    beside, registered = _beside(model, blocks_path)
+    probed = probe(model, blocks_path, blocks, beside)
+    before, after, everywhere = _around(model, beside, registered, probed)
     _check_ends(model, before, after)
     block_tuple = probed is not None and probed.block_tuple
     return Found(blocks_path, blocks, before, after, everywhere, block_tuple)
@@ -137,11 +138,15 @@ def _beside(model: nn.Module, blocks_path: str) -> tuple[dict[str, nn.Module], d
     return beside, registered
 
 
-def _around(model: nn.Module, blocks_path: str, probed: Probed | None) -> tuple[dict, dict, dict]:
+def _around(
+    model: nn.Module,
+    beside: dict[str, nn.Module],
+    registered: dict[str, str],
+    probed: Probed | None,
+) -> tuple[dict, dict, dict]:
     """The modules beside the blocks sorted by whether they hold state and run before or
     after the blocks: where the model's forward calls them (`probed`), or where they are
     registered if the probe could not run or never called them."""
-    beside, registered = _beside(model, blocks_path)
     used = probed.sides if probed is not None else {}
     before: dict[str, nn.Module] = {}
     after: dict[str, nn.Module] = {}

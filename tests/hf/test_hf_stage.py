@@ -177,18 +177,20 @@ def test_a_module_the_forward_runs_on_both_sides_of_the_blocks_is_named():
     from myelin.hf import probe, shape
 
     odd = _Odd(twice=False)
-    beside = {"embed": odd.embed, "norm": odd.norm, "head": odd.head}
+    beside, registered = shape._beside(odd, "layers")
+    assert beside == {"embed": odd.embed, "norm": odd.norm, "head": odd.head}
     probed = probe.probe(odd, "layers", odd.layers, beside)
     assert probed.sides == {"embed": "before", "norm": "after", "head": "after"}
     assert not probed.block_tuple  # a Linear returns the hidden state alone
-    before, after, _ = shape._around(odd, "layers", probed)
+    before, after, _ = shape._around(odd, beside, registered, probed)
     assert list(before) == ["embed"] and sorted(after) == ["head", "norm"]
     odd = _Odd(twice=True)
-    probed = probe.probe(odd, "layers", odd.layers, beside | {"norm": odd.norm})
+    beside, registered = shape._beside(odd, "layers")
+    probed = probe.probe(odd, "layers", odd.layers, beside)
     with pytest.raises(
         PartitionError, match=r"uses norm, which holds weights, among its blocks or on both sides"
     ):
-        shape._around(odd, "layers", probed)
+        shape._around(odd, beside, registered, probed)
 
 
 @pytest.mark.parametrize(
