@@ -2,7 +2,8 @@
 
     python3 bench/transport.py            # about a minute; writes bench/results/transport.json
     python3 bench/transport.py --quick    # about 20 seconds
-    python3 bench/transport.py --peers myelin myelin-inline gloo memcpy   # shm's share
+    python3 bench/transport.py --peers myelin myelin-zmq myelin-inline gloo memcpy
+                                          # the ring's share, and shared memory's
 
 Two spawned processes (one torch thread each) rendezvous through a TCPStore on loopback
 and run, for every size and round, in turn: myelin's Transport (ipc, default config),
@@ -39,8 +40,9 @@ from myelin.runtime.transport import Transport, TransportConfig
 SIZES = [2**k for k in (12, 14, 16, 18, 20, 22, 24, 26)]  # 4 KiB .. 64 MiB
 PEERS = ("myelin", "gloo", "memcpy", "memcpy-2")
 COPIES = {"memcpy": 1, "memcpy-2": 2}  # in-process peers: how many destinations in turn
-CONFIGS = {  # myelin peers: the default, and (on request) without shared memory
+CONFIGS = {  # myelin peers: the default, and (on request) without its ring or shared memory
     "myelin": TransportConfig(kind="ipc"),
+    "myelin-zmq": TransportConfig(kind="ipc", ring_bytes=0),  # headers over ZeroMQ
     "myelin-inline": TransportConfig(kind="ipc", shm=False),
 }
 

@@ -10,11 +10,14 @@ A segment's size is only its ceiling: memory is committed as slots reach into it
 (first-fit keeps them low), in steps that double, each committed at once
 (MADV_POPULATE_WRITE) so a machine out of memory sends inline instead of failing later
 with SIGBUS. Neither side populates the rest of the mapping.
+
+A segment may also hold a ring of whole messages (`ring.py`) between its header page and
+its slots, committed when the segment is made: headers and small tensors then skip
+ZeroMQ too.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import mmap
@@ -30,6 +33,10 @@ from typing import Any
 
 import torch
 
+from myelin.runtime import doorbell
+from myelin.runtime import ring as rings
+from myelin.runtime.slots import ALIGN, SlotAllocator
+
 __all__ = [
     "SUPPORTED",
     "ShmError",
@@ -44,7 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SUPPORTED = sys.platform == "linux" and hasattr(os, "memfd_create")
-ALIGN = 64  # slot alignment: a cache line, enough for every dtype and vector unit
 _PAGE = mmap.PAGESIZE
 _MAGIC = b"MYELINSH"
 _NAME = "myelin-shm"
@@ -57,56 +63,21 @@ class ShmError(Exception):
     """A segment could not be created or mapped; the caller falls back to inline frames."""
 
 
-class SlotAllocator:
-    """First-fit allocator of aligned byte ranges in [base, base + capacity)."""
-
-    def __init__(self, base: int, capacity: int, align: int = ALIGN) -> None:
-        self.align = align
-        self.capacity = capacity
-        self.used = 0
-        self._free: list[tuple[int, int]] = [(base, capacity)]  # (offset, size), sorted
-        self._taken: dict[int, int] = {}  # offset -> size
-
-    def alloc(self, nbytes: int) -> int | None:
-        """Reserve `nbytes` and return the offset, or None when no free range is big enough."""
-        size = max(self.align, -(-nbytes // self.align) * self.align)
-        for i, (offset, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, free - size)
-                self._taken[offset] = size
-                self.used += size
-                return offset
-        return None
-
-    def free(self, offset: int) -> None:
-        """Return a slot; raises KeyError for an offset that is not allocated."""
-        size = self._taken.pop(offset)
-        self.used -= size
-        i = bisect.bisect(self._free, (offset, 0))
-        if i < len(self._free) and offset + size == self._free[i][0]:
-            size += self._free.pop(i)[1]  # merge with the next free range
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-            offset, prev = self._free.pop(i - 1)
-            size += prev
-            i -= 1
-        self._free.insert(i, (offset, size))
-
-
 class Segment:
-    """The sending side: one memfd segment, its slots, and the offer that lets a peer map it."""
+    """The sending side: one memfd segment, its slots, and the offer that lets a peer map it;
+    with `ring_bytes`, also the ring that carries whole messages (`self.ring`)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, ring_bytes: int = 0) -> None:
         self.token = secrets.randbits(62) + 1
-        self.size = _PAGE + capacity
+        self.ring_bytes = ring_bytes
+        base = _PAGE + ring_bytes  # header page, ring, then slots
+        self.size = base + capacity
         self.fd: int | None = os.memfd_create(_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.size)  # a ceiling: nothing is committed yet
             self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
             self.committed = 0
-            if not self._commit(_PAGE):  # a kernel without MADV_POPULATE_WRITE: all now
+            if not self._commit(base, grow=False):  # no MADV_POPULATE_WRITE: all now
                 os.posix_fallocate(self.fd, 0, self.size)
                 self.committed = self.size
         except OSError as exc:
@@ -115,14 +86,22 @@ class Segment:
         self._map[: len(_MAGIC) + 8] = _MAGIC + self.token.to_bytes(8, "little")
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._base = self._bytes.data_ptr()
-        self.slots = SlotAllocator(_PAGE, capacity)
+        self.slots = SlotAllocator(base, capacity)
+        self._views: list[memoryview] = []
+        self.ring: rings.Writer | None = None
+        self.returns: rings.Returns | None = None  # slots the receiver gives straight back
+        if ring_bytes:
+            words, data = rings.views(self._map, _PAGE, ring_bytes, self._views)
+            self.ring, self.returns = rings.Writer(words, data), rings.Returns(words)
 
-    def _commit(self, end: int) -> bool:
-        """Commit memory up to `end` (doubling what is committed, at least); False if the
-        machine has none to give."""
+    def _commit(self, end: int, grow: bool = True) -> bool:
+        """Commit memory up to `end` (doubling what is committed, at least, when `grow`);
+        False if the machine has none to give."""
         if end <= self.committed:
             return True
-        target = min(self.size, max(end, 2 * self.committed, _PAGE + _FIRST_COMMIT))
+        target = end
+        if grow:
+            target = min(self.size, max(end, 2 * self.committed, self.slots.base + _FIRST_COMMIT))
         target = -(-target // _PAGE) * _PAGE
         try:
             self._map.madvise(_POPULATE_WRITE, self.committed, target - self.committed)
@@ -133,7 +112,8 @@ class Segment:
 
     def offer(self) -> dict[str, Any]:
         """What a peer on this host needs to map the segment."""
-        return {"pid": os.getpid(), "fd": self.fd, "size": self.size, "token": self.token}
+        offer = {"pid": os.getpid(), "fd": self.fd, "size": self.size, "token": self.token}
+        return {**offer, "ring": self.ring_bytes}
 
     def put(self, tensor: torch.Tensor) -> int | None:
         """Copy a host tensor into a free slot and return its offset, or None if full."""
@@ -159,6 +139,9 @@ class Segment:
 
     def close(self) -> None:
         self.close_fd()
+        self.ring = self.returns = None
+        for view in self._views:
+            view.release()
         del self._bytes
         self._map.close()
 
@@ -166,10 +149,13 @@ class Segment:
 class Mapping:
     """The receiving side: a peer's segment mapped here; slots become tensors without a copy."""
 
-    def __init__(self, offer: dict[str, Any]) -> None:
+    def __init__(self, offer: dict[str, Any], max_frames: int = 0) -> None:
         pid, fd, size, token = (offer.get(k) for k in ("pid", "fd", "size", "token"))
-        if not all(type(v) is int and v >= 0 for v in (pid, fd, size, token)):
+        ring_bytes = offer.get("ring", 0)
+        if not all(type(v) is int and v >= 0 for v in (pid, fd, size, token, ring_bytes)):
             raise ShmError(f"malformed shared-memory offer {offer!r}")
+        if ring_bytes % 8 or _PAGE + ring_bytes >= size:
+            raise ShmError(f"shared-memory offer's ring of {ring_bytes} bytes does not fit")
         path = f"/proc/{pid}/fd/{fd}"
         try:
             target = os.readlink(path)
@@ -195,7 +181,14 @@ class Mapping:
             raise ShmError(f"{path} does not carry the offered token")
         self.token = token
         self.size = size
+        self._base = _PAGE + ring_bytes  # where slots start
         self._view = memoryview(self._map)
+        self._views: list[memoryview] = []
+        self.ring: rings.Reader | None = None
+        self.returns: rings.Returns | None = None
+        if ring_bytes and max_frames:
+            words, data = rings.views(self._map, _PAGE, ring_bytes, self._views)
+            self.ring, self.returns = rings.Reader(words, data, max_frames), rings.Returns(words)
 
     def tensor(
         self,
@@ -207,7 +200,7 @@ class Mapping:
     ) -> torch.Tensor:
         """Wrap a slot as a tensor; `watch(view)` is given the slot's memoryview, which dies
         with the last tensor that uses it (the caller hangs the slot's release on that)."""
-        if offset < _PAGE or offset % ALIGN or offset + nbytes > self.size or nbytes == 0:
+        if offset < self._base or offset % ALIGN or offset + nbytes > self.size or nbytes == 0:
             raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the segment")
         view = self._view[offset : offset + nbytes]
         watch(view)
@@ -215,6 +208,9 @@ class Mapping:
 
     def close(self) -> None:
         """Unmap now if no tensor still uses the segment; otherwise the last tensor unmaps it."""
+        self.ring = self.returns = None
+        for view in self._views:
+            view.release()
         self._view.release()
         try:
             self._map.close()
@@ -232,9 +228,11 @@ class SendSide:
     state: "idle" (no segment yet), "offered" (the peer is mapping it), "ready", or "off".
     """
 
-    def __init__(self, capacity: int, wait_s: float) -> None:
+    def __init__(self, capacity: int, wait_s: float, ring_bytes: int = 0) -> None:
         self.capacity = -(-capacity // ALIGN) * ALIGN
+        self.ring_bytes = -(-ring_bytes // 8) * 8
         self.wait_s = wait_s
+        self.bell: bytes | None = None  # the receiver's doorbell, once it maps the ring
         self.state = "idle"
         self.segment: Segment | None = None
         self.wait_until: float | None = None  # the waiting message goes inline after this
@@ -243,7 +241,7 @@ class SendSide:
     def offer(self) -> dict[str, Any] | None:
         """Create the segment and return the offer for the peer; None (and "off") on failure."""
         try:
-            self.segment = Segment(self.capacity)
+            self.segment = Segment(self.capacity, self.ring_bytes)
         except ShmError as exc:
             log.warning("no shared memory (%s); sending inline", exc)
             self.state = "off"
@@ -251,13 +249,21 @@ class SendSide:
         self.state = "offered"
         return {"op": "shm_offer", **self.segment.offer()}
 
-    def ready(self, token: Any) -> bool:
-        """The peer mapped the segment: from now on large tensors go through it."""
+    def ready(self, token: Any, bell: Any = None) -> bool:
+        """The peer mapped the segment: from now on large tensors go through it, and whole
+        messages through its ring when the peer gave a doorbell (`bell`) to ring."""
         if self.segment is None or token != self.segment.token:
             return False
         self.segment.close_fd()
         self.state = "ready"
+        if self.segment.ring is not None and doorbell.is_bell(bell):
+            self.bell = doorbell.address(bell)
         return True
+
+    @property
+    def ring(self) -> rings.Writer | None:
+        """The ring to send whole messages through, once the peer reads it."""
+        return self.segment.ring if self.bell is not None and self.state == "ready" else None
 
     def refused(self, reason: Any) -> None:
         log.warning("the peer cannot map shared memory (%s); sending inline", reason)
@@ -271,6 +277,7 @@ class SendSide:
         was sent (`inflight`), then for at most `wait_s`; a wait that times out sends
         inline until a slot is freed, so a receiver that holds every slot never stalls us.
         """
+        self.take_returns()
         offset = self.segment.put(tensor)
         if offset is not None:
             self.wait_until = None
@@ -288,6 +295,20 @@ class SendSide:
             raise Wait
         self.starved, self.wait_until = True, None
         return None
+
+    def take_returns(self) -> None:
+        """Free the slots the receiver gave straight back through the segment."""
+        returns = self.segment.returns if self.state == "ready" else None
+        if returns is None:
+            return
+        try:
+            offsets = returns.take()
+        except rings.RingError as exc:
+            log.warning("%s; slots come back with credits only", exc)
+            self.segment.returns = None
+            return
+        if offsets and self.free(offsets):
+            log.warning("the receiver gave back slots that are not in use")
 
     def unplace(self, offsets: list[int]) -> None:
         """Give back slots of a message that did not leave after all."""
@@ -310,6 +331,7 @@ class SendSide:
         return bad
 
     def close(self) -> None:
+        self.bell = None
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -329,7 +351,8 @@ class ReceiveSide:
     `weakref.finalize` did the same at about 6 us more a message.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_frames: int = 0) -> None:
+        self.max_frames = max_frames  # 0: read no rings
         self._mappings: dict[int, Mapping] = {}
         self._released: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
         # Keeps each reference (and so its callback) alive, by id: a writable view is not
@@ -346,7 +369,7 @@ class ReceiveSide:
     def accept(self, src: int, offer: dict[str, Any]) -> dict[str, Any]:
         """Map `src`'s offered segment; returns the reply for it (ready, or refused and why)."""
         try:
-            mapping = Mapping(offer)
+            mapping = Mapping(offer, self.max_frames)
         except ShmError as exc:
             log.warning("cannot map rank %d's segment: %s", src, exc)
             return {"op": "shm_refused", "reason": str(exc)}
@@ -355,6 +378,16 @@ class ReceiveSide:
             old.close()
         self._mappings[src] = mapping
         return {"op": "shm_ready", "token": mapping.token}
+
+    def rings(self) -> list[tuple[int, rings.Reader]]:
+        """(src, reader) of every mapped segment whose ring this side reads."""
+        return [(src, m.ring) for src, m in self._mappings.items() if m.ring is not None]
+
+    def drop_ring(self, src: int) -> None:
+        """Stop reading `src`'s ring (it broke the ring's rules); its slots still work."""
+        mapping = self._mappings.get(src)
+        if mapping is not None:
+            mapping.ring = None
 
     def token_of(self, src: int) -> Any:
         """The token of `src`'s mapped segment, or None."""
@@ -376,6 +409,12 @@ class ReceiveSide:
             self._watched[id(ref)] = ref
 
         return mapping.tensor(loc[1], nbytes, dtype, shape, watch)
+
+    def give_back(self, src: int, offset: int) -> bool:
+        """Hand a dead slot straight back to `src` through its segment; False if it must go
+        back with a credit (no ring mapped, or the list is full)."""
+        mapping = self._mappings.get(src)
+        return mapping is not None and mapping.returns is not None and mapping.returns.put(offset)
 
     def released(self) -> list[tuple[int, int, int]]:
         """(src, offset, nbytes) of every slot whose tensor died since the last call."""

@@ -1,17 +1,18 @@
 """ZeroMQ point-to-point transport between ranks.
 
-Each rank binds one PULL inbox (ipc:// on one host, tcp:// across hosts, loopback
-unless configured) and publishes its address in the torch.distributed store; it
-keeps one PUSH socket per peer it sends to. Sends never block the caller: a
-message that would exceed the peer's in-flight byte budget waits in a local
-queue until the peer returns credits, so ZeroMQ's message-count high-water mark
-never decides what is dropped.
+Each rank binds one PULL inbox (ipc:// on one host, tcp:// across hosts, loopback unless
+configured) and publishes its address in the torch.distributed store; it keeps one PUSH
+socket per peer it sends to. Sends never block the caller: a message that would exceed
+the peer's in-flight byte budget waits in a local queue until the peer returns credits,
+so ZeroMQ's message-count high-water mark never decides what is dropped.
 
 On one host (ipc), tensors over `shm_threshold_bytes` travel through a shared-memory
-segment per (sender, receiver) pair (see `shm.py`): one copy in, none out, and only
-the header goes over ZeroMQ. Credits and freed slots flow back as control messages.
-The settings are `transport_config.py`'s, binding and zero-copy sends `sockets.py`'s,
-the credits owed `credits.py`'s and encryption `curve.py`'s; this class runs them.
+segment per (sender, receiver) pair (`shm.py`): one copy in, none out. On x86-64 the
+header and small tensors go through a ring in that segment (`ring.py`) with a doorbell
+to wake the receiver (`doorbell.py`), and dead slots come straight back through it;
+control messages keep to ZeroMQ, as does everything across hosts. The settings are
+`transport_config.py`'s, binding and zero-copy sends `sockets.py`'s, the credits owed
+`credits.py`'s and encryption `curve.py`'s; this class runs them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 import zmq
 
 from myelin.errors import DeadlineError, MessageError
-from myelin.runtime import shm
+from myelin.runtime import control_ops, doorbell, shm
+from myelin.runtime import ring as rings
 from myelin.runtime.credits import Ledger
 from myelin.runtime.curve import Curve
 from myelin.runtime.departures import ClosedConnections
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _LOOK_EVERY = 2 * 2**20  # bytes sent through shared memory between looks for returned slots
 _DRAIN_MAX = 1024  # messages taken from the inbox per look, so a flood cannot starve the loop
+_RING_RETRY_S = 0.0005  # how soon a message waiting for room in a full ring is tried again
 _NOBLOCK = int(zmq.NOBLOCK)  # an int: enum flags cost per call
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -53,6 +56,7 @@ class _Peer:
     sock: zmq.Socket
     shm: shm.SendSide | None
     inflight: int = 0  # bytes sent and not yet credited back
+    retry: bool = False  # the head of `queue` waits for room the receiver frees in the segment
     queue: deque = field(default_factory=deque)  # (message, nbytes) waiting to leave
 
 
@@ -87,7 +91,10 @@ class Transport:
             kind = "ipc" if same_host else "tcp"
         self.kind = kind
         use_shm = self.config.shm and kind == "ipc" and shm.SUPPORTED
-        self._shm_in = shm.ReceiveSide() if use_shm else None
+        self._rings = use_shm and self.config.ring_bytes > 0 and rings.SUPPORTED
+        max_frames = self.config.limits.max_tensors + 1 if self._rings else 0
+        self._shm_in = shm.ReceiveSide(max_frames) if use_shm else None
+        self._bell = doorbell.Doorbell(rank, self.config.spin_us) if self._rings else None
         self.curve = self.config.wants_curve(kind)
         self._curve: Curve | None = None
         if self.curve:
@@ -105,9 +112,11 @@ class Transport:
         self.address = self.bind_like(self._inbox, "")
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
+        if self._bell is not None:
+            self._bell.register(self._poller)
         store.set(self._key(rank), self.address)
 
-    def _key(self, rank: int) -> str:
+    def _key(self, rank: int) -> str:  # where `rank` publishes its inbox's address
         return f"{self._prefix}/addr/{rank}"
 
     # -- sockets and security ------------------------------------------------
@@ -161,16 +170,26 @@ class Transport:
         self.stats.queued_for_credits += 1
 
     def _try_send(self, peer: _Peer, message: Message, nbytes: int) -> bool:
-        """Send one message if credits, a slot and ZeroMQ allow; False leaves it queued."""
+        """Send one message if credits, slots, ring and ZeroMQ allow; False leaves it queued."""
         if peer.inflight and peer.inflight + nbytes > self.config.max_inflight_bytes:
             return False  # wait for credits; a lone oversize message still goes
+        side = peer.shm
+        if self._rings and side is not None and side.state == "idle" and (offer := side.offer()):
+            self._send_control(peer, offer)  # whole messages go through its ring once mapped
         taken: list[int] = []
-        sent = False
+        sent = via_ring = peer.retry = False
         try:
             frames = encode(message, self._placer(peer, nbytes, taken))
-            sent = send_frames(peer.sock, frames, self._tracked)
+            ring = side.ring if side is not None else None
+            if ring is not None and ring.fits(frames):
+                sent = via_ring = ring.put(frames)
+                peer.retry = not sent
+                if sent and ring.asleep():
+                    self._bell.ring(side.bell)
+            else:
+                sent = send_frames(peer.sock, frames, self._tracked)
         except shm.Wait:
-            pass
+            peer.retry = side.segment.returns is not None  # slots come back without a message
         finally:
             if taken and not sent:
                 peer.shm.unplace(taken)
@@ -179,6 +198,7 @@ class Transport:
             self.stats.sent_messages += 1
             self.stats.sent_bytes += nbytes
             self.stats.shm_messages += bool(taken)
+            self.stats.ring_messages += via_ring
             self._unseen += nbytes if taken else 0
         return sent
 
@@ -242,9 +262,8 @@ class Transport:
             sock.setsockopt(zmq.SNDHWM, 100_000)
             self.secure_client(sock, dst)
             sock.connect(address)
-            side = None
-            if self._shm_in is not None:
-                side = shm.SendSide(self.config.shm_bytes, self.config.shm_wait_s)
+            cfg, ring = self.config, self.config.ring_bytes if self._rings else 0
+            side = shm.SendSide(cfg.shm_bytes, cfg.shm_wait_s, ring) if self._shm_in else None
             peer = self._peers[dst] = _Peer(sock, side)
         return peer
 
@@ -275,10 +294,22 @@ class Transport:
         self.closed.watch(self.stats)
         self._drain()
         self._flush_all()  # queued messages whose slot wait has timed out go inline now
+        bell = self._bell if self._bell is not None and self._bell.readers else None
+        spin = bell.spin_s if bell is not None else 0.0
         while not self._arrived and now < deadline:
-            wake = min(deadline, self._next_wake())
-            if self._poller.poll(math.ceil(max(wake - now, 0.0) * 1000)):
+            if spin and bell.spin(self._inbox, min(deadline, now + spin)):
                 self._drain()
+            elif bell is None or bell.sleep():
+                wake = min(deadline, self._next_wake())
+                try:
+                    if self._poller.poll(math.ceil(max(wake - now, 0.0) * 1000)):
+                        self._drain()
+                finally:
+                    if bell is not None:
+                        bell.wake()
+            else:
+                self._drain()  # a record came as this rank was going to sleep
+            spin = 0.0  # once a poll: a long wait sleeps
             now = time.monotonic()
             self._settle(now)
             self._flush_all()
@@ -287,14 +318,34 @@ class Transport:
         return out
 
     def _next_wake(self) -> float:
-        """The earliest time poll must look up from waiting: a debt to pay or a slot wait."""
+        """When poll must look up from waiting: a debt to pay, a slot wait, a full ring."""
         wakes = [p.shm.wait_until for p in self._peers.values() if p.shm and p.shm.wait_until]
+        if any(p.retry for p in self._peers.values()):
+            wakes.append(time.monotonic() + _RING_RETRY_S)
         return min([*wakes, self._ledger.next_wake()])
 
     def _drain(self) -> None:
-        """Take what waits in the inbox: control messages act now, the rest wait for poll."""
-        inbox = self._inbox
+        """Take what waits in the inbox and rings: control acts now, the rest waits for poll."""
         self._unseen = 0
+        for peer in self._peers.values():
+            if peer.shm is not None:
+                peer.shm.take_returns()  # slots the receiver gave back through the segment
+        self._drain_inbox()
+        if self._bell is not None and self._bell.readers:
+            for src, why in self._bell.take(self._accept, self._arrived, _DRAIN_MAX):
+                self._ring_broken(src, why)
+
+    def _ring_broken(self, src: int, why: str) -> None:
+        """A ring that breaks its rules is read no more; its sender is told to use ZeroMQ."""
+        self.stats.rejected += 1
+        self._warn.warning("rank %d: stopped reading rank %d's ring: %s", self.rank, src, why)
+        token = self._shm_in.token_of(src)
+        self._shm_in.drop_ring(src)
+        self._bell.readers = self._shm_in.rings()
+        self.send_control(src, {"op": "ring_off", "token": token})
+
+    def _drain_inbox(self) -> None:
+        inbox = self._inbox
         for _ in range(_DRAIN_MAX):
             if not inbox.get(_EVENTS) & _POLLIN:
                 return
@@ -313,23 +364,20 @@ class Transport:
             if peer.queue:
                 self._flush(peer)
 
-    def _accept(self, frames: list) -> Message | None:
+    def _accept(self, frames: list, ring_of: int | None = None) -> Message | None:
+        """Decode and check one message; `ring_of` is the rank whose ring it came through."""
         fetch = self._fetch if self._shm_in is not None else None
         try:
             msg = decode(frames, self.config.limits, fetch=fetch)
         except MessageError as exc:
-            self.stats.rejected += 1
-            self._warn.warning("rank %d: rejected a message: %s", self.rank, exc)
-            return None
+            return self._reject(f": {exc}")
         if not 0 <= msg.src < self.world_size or msg.src == self.rank:
-            self.stats.rejected += 1
-            self._warn.warning(
-                "rank %d: rejected a message from unknown rank %d", self.rank, msg.src
-            )
-            return None
+            return self._reject(f"from unknown rank {msg.src}")
+        if ring_of is not None and msg.src != ring_of:
+            return self._reject(f"in rank {ring_of}'s ring, saying it is from rank {msg.src}")
         self.heard_from.add(msg.src)  # a rank connected to this inbox (departures.py)
-        if msg.kind == "control" and msg.meta.get("op") in _CONTROL_OPS:
-            _CONTROL_OPS[msg.meta["op"]](self, msg.src, msg.meta)
+        if msg.kind == "control" and msg.meta.get("op") in control_ops.OPS:
+            control_ops.OPS[msg.meta["op"]](self, msg.src, msg.meta)
             return None
         nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
         self.stats.received_messages += 1
@@ -337,6 +385,10 @@ class Transport:
         if nbytes:
             self._ledger.took(msg.src, nbytes)
         return msg
+
+    def _reject(self, why: str) -> None:
+        self.stats.rejected += 1
+        self._warn.warning("rank %d: rejected a message %s", self.rank, why)
 
     def _fetch(
         self, src: int, loc: list[int], dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
@@ -351,7 +403,8 @@ class Transport:
         """Pay what this rank owes its senders (credits, freed slots) when it is due."""
         if self._shm_in is not None:
             for src, offset, nbytes in self._shm_in.released():
-                self._ledger.freed(src, offset, nbytes)
+                if not self._shm_in.give_back(src, offset):
+                    self._ledger.freed(src, offset, nbytes)
         if self._ledger.due(now):
             token_of = self._shm_in.token_of if self._shm_in is not None else _no_token
             self._ledger.pay(self.send_control, token_of)
@@ -360,47 +413,6 @@ class Transport:
         """Count and log a control message this rank will not act on."""
         self.stats.rejected += 1
         self._warn.warning("rank %d: ignored %s from rank %d: %s", self.rank, op, src, why)
-
-    def _on_credit(self, src: int, meta: dict[str, Any]) -> None:
-        peer = self._peers.get(src)
-        amount, free = meta.get("bytes"), meta.get("free", [])
-        if peer is None or type(amount) is not int or amount < 0 or not isinstance(free, list):
-            return self._refuse(src, "credit", f"malformed: bytes={amount!r}")
-        if amount > peer.inflight:  # more than was sent: not from the real receiver
-            return self._refuse(src, "credit", f"{amount} bytes, but {peer.inflight} in flight")
-        peer.inflight -= amount
-        if free:
-            if peer.shm is None or not peer.shm.owns(meta.get("token")):
-                return self._refuse(src, "credit", "slots freed without the segment's token")
-            bad = peer.shm.free(free)
-            if bad:
-                self._refuse(src, "credit", f"{bad} freed slots that are not in use")
-        self._flush(peer)
-        return None
-
-    def _on_offer(self, src: int, meta: dict[str, Any]) -> None:
-        if self._shm_in is None:
-            reply = {"op": "shm_refused", "reason": "shared memory is off here"}
-        elif self._shm_in.token_of(src) is not None:  # one segment per sender, for life
-            return self._refuse(src, "shm_offer", "a segment from this rank is mapped already")
-        else:
-            reply = self._shm_in.accept(src, meta)
-        self._send_control(self._peer(src), reply)
-        return None
-
-    def _on_ready(self, src: int, meta: dict[str, Any]) -> None:
-        peer = self._peers.get(src)
-        if peer is None or peer.shm is None or not peer.shm.ready(meta.get("token")):
-            return self._refuse(src, "shm_ready", "no offer with that token")
-        self._flush(peer)
-        return None
-
-    def _on_refused(self, src: int, meta: dict[str, Any]) -> None:
-        peer = self._peers.get(src)
-        if peer is None or peer.shm is None or peer.shm.state != "offered":
-            return self._refuse(src, "shm_refused", "no offer was pending")
-        peer.shm.refused(meta.get("reason"))
-        return None
 
     def send_control(self, dst: int, meta: dict[str, Any]) -> None:
         """Send a small control message (abort, shutdown...) that skips the credit queue."""
@@ -416,6 +428,8 @@ class Transport:
             peer.sock.close(linger=self.config.linger_ms)
             if peer.shm is not None:
                 peer.shm.close()
+        if self._bell is not None:
+            self._bell.close()
         if self._shm_in is not None:
             self._shm_in.close()
         self._tracked.clear()
@@ -429,12 +443,6 @@ class Transport:
                 os.unlink(path)
 
 
-_CONTROL_OPS = {
-    "credit": Transport._on_credit,
-    "shm_offer": Transport._on_offer,
-    "shm_ready": Transport._on_ready,
-    "shm_refused": Transport._on_refused,
-}
 
 
 def _no_token(src: int) -> None:

@@ -38,6 +38,13 @@ class TransportConfig:
         slots reach into it; a tensor that does not fit travels inline.
     shm_wait_s: how long a message may wait for a free slot, once nothing is in flight,
         before it goes inline instead (a receiver holding every slot cannot stall a sender).
+    ring_bytes: with shared memory, a ring of this many bytes per (sender, receiver) pair
+        carries whole messages (header and small tensors), with a doorbell to wake the
+        receiver, so they skip ZeroMQ's I/O threads (most of a small message's latency);
+        0 sends every header over ZeroMQ. x86-64 Linux only; elsewhere it is ignored.
+    spin_us: with rings, how long poll checks them before it sleeps: a message that comes
+        within it is taken without a wake-up (a sleeping core's wake costs tens of us).
+        0 never spins.
     curve: encrypt and authenticate every connection with ZeroMQ CURVE, with keys made
         per run and exchanged through the torch.distributed store, so a process without
         them cannot connect. None (default): on when tcp binds beyond loopback.
@@ -59,6 +66,8 @@ class TransportConfig:
     shm_threshold_bytes: int = 64 * 2**10
     shm_bytes: int = 256 * 2**20
     shm_wait_s: float = 0.05
+    ring_bytes: int = 2**20
+    spin_us: float = 200.0
     curve: bool | None = None
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 5.0
@@ -85,6 +94,13 @@ class TransportConfig:
         _check_int("shm_threshold_bytes", self.shm_threshold_bytes, 1, 2**40)
         _check_int("shm_bytes", self.shm_bytes, 2**20, 2**40)
         _check_number("shm_wait_s", self.shm_wait_s, 0.0, 60.0)
+        ring = self.ring_bytes
+        if type(ring) is not int or (ring and not 2**16 <= ring <= 2**30) or ring % 8:
+            raise ConfigError(
+                f"TransportConfig.ring_bytes={ring!r} must be 0 (no ring) or a multiple of 8 "
+                f"in [{2**16}, {2**30}]"
+            )
+        _check_number("spin_us", self.spin_us, 0.0, 10_000.0)
         if self.curve is not None and type(self.curve) is not bool:
             raise ConfigError(f"TransportConfig.curve={self.curve!r} must be None, True or False")
         if self.curve and not zmq.has("curve"):
@@ -136,5 +152,6 @@ class TransportStats:
     queued_for_credits: int = 0
     shm_messages: int = 0  # messages sent with at least one tensor in shared memory
     shm_fallbacks: int = 0  # large tensors sent inline because no slot was free
+    ring_messages: int = 0  # messages sent whole through a shared-memory ring
     dropped_connections: int = 0  # inbox connections that closed: a peer left, or ZeroMQ
     # cut off one that sent a frame over MessageLimits (ZMQ_MAXMSGSIZE)

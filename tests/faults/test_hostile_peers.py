@@ -319,8 +319,9 @@ def test_forged_free_cannot_recycle_a_slot_the_receiver_holds(pair):
     received = b.stats.received_messages
     a.send(1, Message("activation", 0, 0, 0, 1, [ones]))
     held = _pump(a, b, until=lambda: b.stats.received_messages > received)[-1].tensors[0]
-    assert list(a._peers[1].shm.segment.slots._taken) == [4096]  # first fit: guessable
-    _forge(raw, 1, {"op": "credit", "bytes": 0, "free": [4096]})
+    first = a._peers[1].shm.segment.slots.base  # the first slot, after the header and ring
+    assert list(a._peers[1].shm.segment.slots._taken) == [first]  # first fit: guessable
+    _forge(raw, 1, {"op": "credit", "bytes": 0, "free": [first]})
     _settle(a, b)
     a.send(1, Message("activation", 0, 0, 1, 1, [torch.full((1024,), 7.0)]))
     _pump(a, b, until=lambda: b.stats.received_messages > received + 1)
