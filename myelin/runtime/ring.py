@@ -32,6 +32,7 @@ is a `RingError`, never a read outside the segment.
 
 from __future__ import annotations
 
+import functools
 import platform
 import struct
 import threading
@@ -80,14 +81,13 @@ class Writer:
         self._head = words[_H]
         self._fence = threading.Lock()
 
-    def fits(self, frames: list) -> bool:
-        """Whether a record of these frames can ever go through this ring."""
-        return _record_bytes(_lengths(frames)) <= self.max_record
-
-    def put(self, frames: list) -> bool:
-        """Copy `frames` into the ring as one record; False (nothing written) when full."""
-        lengths = _lengths(frames)
+    def put(self, frames: list) -> bool | None:
+        """Copy `frames` into the ring as one record; False (nothing written) when full,
+        None when a record this big can never go through it."""
+        lengths = [len(f) if type(f) is bytes else f.nbytes for f in frames]
         need = _record_bytes(lengths)
+        if need > self.max_record:
+            return None
         head, size = self._head, self.size
         pos = head % size
         skip = size - pos if pos + need > size else 0
@@ -97,12 +97,11 @@ class Writer:
         if skip:
             _PREFIX.pack_into(data, pos, _WRAP, 0)
             pos = 0
-        _PREFIX.pack_into(data, pos, need, len(frames))
-        struct.pack_into(f"<{len(lengths)}I", data, pos + 8, *lengths)
+        _table(len(lengths)).pack_into(data, pos, need, len(lengths), *lengths)
         at = pos + _pad(8 + 4 * len(lengths))
         for frame, n in zip(frames, lengths):
             data[at : at + n] = frame
-            at += _pad(n)
+            at += (n + 7) & ~7
         self._head = head + skip + need
         self._words[_H] = self._head  # last: the record is complete
         return True
@@ -118,13 +117,18 @@ class Writer:
         return self._words[_T] != self._head
 
 
-def _lengths(frames: list) -> list[int]:
-    return [len(f) if isinstance(f, bytes) else f.nbytes for f in frames]
-
-
 def _record_bytes(lengths: list[int]) -> int:
     """The bytes a record of frames this long takes in the ring."""
-    return _pad(8 + 4 * len(lengths)) + sum(_pad(n) for n in lengths)
+    need = (8 + 4 * len(lengths) + 7) & ~7
+    for n in lengths:
+        need += (n + 7) & ~7
+    return need
+
+
+@functools.lru_cache(maxsize=64)
+def _table(count: int) -> struct.Struct:
+    """A record's prefix and its table of `count` frame lengths, packed in one call."""
+    return struct.Struct(f"<II{count}I")
 
 
 class Reader:

@@ -181,13 +181,14 @@ class Transport:
         try:
             frames = encode(message, self._placer(peer, nbytes, taken))
             ring = side.ring if side is not None else None
-            if ring is not None and ring.fits(frames):
-                sent = via_ring = ring.put(frames)
-                peer.retry = not sent
-                if sent and ring.asleep():
-                    self._bell.ring(side.bell)
-            else:
+            put = ring.put(frames) if ring is not None else None
+            if put is None:  # no ring, or too big for it
                 sent = send_frames(peer.sock, frames, self._tracked)
+            else:
+                sent = via_ring = put
+                peer.retry = not put
+                if put and ring.asleep():
+                    self._bell.ring(side.bell)
         except shm.Wait:
             peer.retry = side.segment.returns is not None  # slots come back without a message
         finally:

@@ -81,9 +81,10 @@ def test_a_full_ring_refuses_and_writes_nothing():
 
 
 def test_a_record_over_half_the_ring_does_not_fit():
-    writer, _, _ = _ring(1 << 16)
-    assert writer.fits([b"x" * 30_000])
-    assert not writer.fits([b"x" * 40_000])
+    writer, reader, _ = _ring(1 << 16)
+    assert writer.put([b"x" * 40_000]) is None  # never fits: the caller sends it otherwise
+    assert reader.take() is None
+    assert writer.put([b"x" * 30_000]) is True
 
 
 @pytest.mark.parametrize(
