@@ -101,7 +101,7 @@ class Writer:
         at = pos + _pad(8 + 4 * len(lengths))
         for frame, n in zip(frames, lengths):
             data[at : at + n] = frame
-            at += (n + 7) & ~7
+            at += _pad(n)
         self._head = head + skip + need
         self._words[_H] = self._head  # last: the record is complete
         return True
@@ -119,15 +119,13 @@ class Writer:
 
 def _record_bytes(lengths: list[int]) -> int:
     """The bytes a record of frames this long takes in the ring."""
-    need = (8 + 4 * len(lengths) + 7) & ~7
-    for n in lengths:
-        need += (n + 7) & ~7
-    return need
+    return _pad(8 + 4 * len(lengths)) + sum(map(_pad, lengths))
 
 
 @functools.lru_cache(maxsize=64)
 def _table(count: int) -> struct.Struct:
-    """A record's prefix and its table of `count` frame lengths, packed in one call."""
+    """A record's prefix and its table of `count` frame lengths, packed (or read) in one
+    call, without a format string made per message."""
     return struct.Struct(f"<II{count}I")
 
 
@@ -179,7 +177,7 @@ class Reader:
                 raise RingError(f"record at {pos}: length {length}, {count} frames")
             if pos + length > size or length > head - self._tail:
                 raise RingError(f"record at {pos} of {length} bytes runs past what was written")
-            lengths = struct.unpack_from(f"<{count}I", data, pos + 8)
+            lengths = _table(count).unpack_from(data, pos)[2:]
             at, end = pos + table, pos + length
             frames = []
             for n in lengths:

@@ -174,8 +174,9 @@ class Transport:
         if peer.inflight and peer.inflight + nbytes > self.config.max_inflight_bytes:
             return False  # wait for credits; a lone oversize message still goes
         side = peer.shm
-        if self._rings and side is not None and side.state == "idle" and (offer := side.offer()):
-            self._send_control(peer, offer)  # whole messages go through its ring once mapped
+        wanted = self._rings or nbytes >= self.config.shm_threshold_bytes  # ring, or slots
+        if side is not None and side.state == "idle" and wanted and (offer := side.offer()):
+            self._send_control(peer, offer)  # inline (over ZeroMQ) until the peer maps it
         taken: list[int] = []
         sent = via_ring = peer.retry = False
         try:
@@ -206,11 +207,7 @@ class Transport:
     def _placer(self, peer: _Peer, nbytes: int, taken: list[int]) -> Any:
         """A `place` callback for encode that puts large tensors in the peer's segment."""
         side, threshold = peer.shm, self.config.shm_threshold_bytes
-        if side is None or nbytes < threshold or side.state == "off":
-            return None
-        if side.state == "idle" and (offer := side.offer()):
-            self._send_control(peer, offer)  # inline until the peer has mapped it
-        if side.state != "ready":
+        if side is None or nbytes < threshold or side.state != "ready":
             return None
 
         def place(i: int, t: torch.Tensor) -> list[int] | None:
