@@ -45,7 +45,7 @@ def on_offer(t: Transport, src: int, meta: dict[str, Any]) -> None:
         reply = t._shm_in.accept(src, meta)
         if t._bell is not None:
             t._bell.readers = t._shm_in.rings()
-            if any(r == src for r, _ in t._bell.readers):
+            if reply["op"] == "shm_ready" and t._shm_in.max_frames and meta.get("ring"):
                 reply["bell"] = t._bell.name  # whole messages may come in its ring
     t._send_control(t._peer(src), reply)
     return None
@@ -57,7 +57,17 @@ def on_ready(t: Transport, src: int, meta: dict[str, Any]) -> None:
     side = peer.shm if peer is not None else None
     if side is None or not side.ready(meta.get("token"), meta.get("bell")):
         return t._refuse(src, "shm_ready", "no offer with that token")
+    if side.ring is not None:  # after every message sent over ZeroMQ, before the ring's
+        t._send_control(peer, {"op": "ring_start", "token": side.segment.token})
     t._flush(peer)
+    return None
+
+
+def on_ring_start(t: Transport, src: int, meta: dict[str, Any]) -> None:
+    """The sender sends through its ring from now on: read it."""
+    if t._shm_in is None or not t._shm_in.open_ring(src, meta.get("token")):
+        return t._refuse(src, "ring_start", "no ring of that token mapped")
+    t._bell.readers = t._shm_in.rings()
     return None
 
 
@@ -86,5 +96,6 @@ OPS = {
     "shm_offer": on_offer,
     "shm_ready": on_ready,
     "shm_refused": on_refused,
+    "ring_start": on_ring_start,
     "ring_off": on_ring_off,
 }

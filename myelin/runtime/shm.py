@@ -186,6 +186,7 @@ class Mapping:
         self._views: list[memoryview] = []
         self.ring: rings.Reader | None = None
         self.returns: rings.Returns | None = None
+        self.gated = True  # the ring is read from the sender's `ring_start` on
         if ring_bytes and max_frames:
             words, data = rings.views(self._map, _PAGE, ring_bytes, self._views)
             self.ring, self.returns = rings.Reader(words, data, max_frames), rings.Returns(words)
@@ -381,7 +382,20 @@ class ReceiveSide:
 
     def rings(self) -> list[tuple[int, rings.Reader]]:
         """(src, reader) of every mapped segment whose ring this side reads."""
-        return [(src, m.ring) for src, m in self._mappings.items() if m.ring is not None]
+        return [
+            (src, m.ring)
+            for src, m in self._mappings.items()
+            if m.ring is not None and not m.gated
+        ]
+
+    def open_ring(self, src: int, token: Any) -> bool:
+        """Read `src`'s ring from now on: its `ring_start` came over ZeroMQ after every
+        message it sent there, so nothing in the ring can pass them. False if unknown."""
+        mapping = self._mappings.get(src)
+        if mapping is None or mapping.ring is None or token != mapping.token:
+            return False
+        mapping.gated = False
+        return True
 
     def drop_ring(self, src: int) -> None:
         """Stop reading `src`'s ring (it broke the ring's rules); its slots still work."""

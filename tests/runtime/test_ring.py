@@ -185,6 +185,18 @@ def test_a_full_ring_queues_and_keeps_the_order(pair):
     assert all(torch.equal(m.tensors[0], chunks[m.microbatch]) for m in got)
 
 
+def test_order_holds_where_a_pair_moves_from_zeromq_to_its_ring(pair):
+    a, b = pair()
+    got: list[Message] = []
+    for i in range(300):  # the first go over ZeroMQ while the segment is mapped, then the ring
+        a.send(1, Message("activation", 0, 0, i, 0, [torch.full((256,), float(i))]))
+        got += b.poll(0)
+        a.poll(0)
+    got += _receive(b, 300 - len(got), a)
+    assert a.stats.ring_messages > 0 and a.stats.ring_messages < 300
+    assert [m.microbatch for m in got] == list(range(300))
+
+
 def test_without_a_ring_headers_go_over_zeromq(pair):
     a, b = pair(ring_bytes=0)
     for i in range(3):  # the first offers the segment, the later ones use its slots
