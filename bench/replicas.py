@@ -16,11 +16,12 @@ other round:
   the anchor a user would pick; daso: myelin.DASO(epoch_steps=20, warmup 1 epoch; its
   cool-down, the last of steps / 20 epochs, is past the time budget);
 - easgd-sync / easgd-async / easgd-hogwild: myelin.EASGD(tau=4, or --tau for every EASGD
-  mode, alpha=0.9/4); measgd: async with momentum=0.9 (You et al.'s mu) on the local
-  update, which is plain SGD as in the paper (lr 0.1), not AdamW: momentum on AdamW's
-  update is not MEASGD (and myelin refuses it); its anchor allreduce-sgd: AllReduce with
-  SGD(lr 0.1, momentum 0.9). The learning rates are the best of bench/replicas_lr.py's
-  sweep.
+  mode, alpha=0.9/4); easgd-sync-fp16: sync with downcast="fp16" (each round sends
+  x_i - x~ in fp16, half the bytes); measgd: async with momentum=0.9 (You et al.'s mu)
+  on the local update, which is plain SGD as in the paper (lr 0.1), not AdamW: momentum
+  on AdamW's update is not MEASGD (and myelin refuses it); its anchor allreduce-sgd:
+  AllReduce with SGD(lr 0.1, momentum 0.9). The learning rates are the best of
+  bench/replicas_lr.py's sweep.
 
 Every `--eval-every` steps, once every rank has got there (a barrier, on the training
 clock: replicas that do not wait for each other every step would otherwise wait for the
@@ -58,6 +59,7 @@ PEERS = (
     "ddp",
     "daso",
     "easgd-sync",
+    "easgd-sync-fp16",
     "easgd-async",
     "easgd-hogwild",
     "allreduce-sgd",
@@ -93,7 +95,10 @@ def strategy(peer: str, steps: int, tau: int = TAU) -> Any:
             warmup_epochs=1,
             cooldown_epochs=1,
         )
-    mode = "sync" if peer == "easgd-sync" else "hogwild" if peer == "easgd-hogwild" else "async"
+    if peer.startswith("easgd-sync"):
+        downcast = "fp16" if peer == "easgd-sync-fp16" else "fp32"
+        return myelin.EASGD(tau=tau, alpha=0.9 / 4, mode="sync", downcast=downcast)
+    mode = "hogwild" if peer == "easgd-hogwild" else "async"
     momentum = MOMENTUM if peer == "measgd" else 0.0
     return myelin.EASGD(tau=tau, alpha=0.9 / 4, mode=mode, momentum=momentum)
 

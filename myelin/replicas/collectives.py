@@ -10,6 +10,7 @@ the report and the run summary) where it is given the rank's timeline.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -17,7 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Collectives", "Traffic"]
+__all__ = ["DOWNCAST", "Collectives", "Traffic", "summable"]
+
+log = logging.getLogger(__name__)
+DOWNCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(slots=True)
@@ -89,3 +93,26 @@ class Collectives:
     def summary(self) -> dict[str, dict[str, float]]:
         """Each kind's bytes, count and wait seconds, as plain data."""
         return {kind: asdict(t) for kind, t in sorted(self.traffic.items())}
+
+
+def summable(
+    comm: Collectives, probe: Any, agree: Any, dtype: torch.dtype, who: str
+) -> torch.dtype:
+    """`dtype` if `probe`'s backend sums it on every rank of `agree` (a collective over
+    `agree`; either group may be None, a group of one), else fp32, saying so: gloo
+    builds without a bf16 or fp16 sum exist."""
+    if dtype == torch.float32:
+        return dtype
+    ok = torch.ones(1)
+    if probe is not None:
+        try:
+            comm.all_reduce(torch.ones(2, dtype=dtype), probe, "probe")
+        except (RuntimeError, ValueError) as exc:
+            ok.zero_()
+            log.warning("%s: %s all-reduce failed on this backend (%s)", who, dtype, exc)
+    if agree is not None:
+        comm.all_reduce(ok, agree, "probe", op=dist.ReduceOp.MIN)
+    if ok.item() == 0:
+        log.warning("%s: falls back from %s to fp32", who, dtype)
+        return torch.float32
+    return dtype

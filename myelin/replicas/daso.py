@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy, own_state
-from myelin.replicas.collectives import Collectives
+from myelin.replicas.collectives import DOWNCAST, Collectives, summable
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
 from myelin.replicas.flat import flatten, holding, unflatten
 from myelin.runtime.tied import equalise
@@ -53,7 +53,6 @@ from myelin.runtime.tied import equalise
 __all__ = ["DASO", "DasoReplicas", "merge_stale", "node_size_for"]
 
 log = logging.getLogger(__name__)
-_DOWNCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _int(name: str, value: Any, low: int, optional: bool = False) -> None:
@@ -100,8 +99,8 @@ class DASO:
         level = self.stability_level
         if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 <= level < 1:
             raise ConfigError(f"DASO(stability_level={level!r}): must be a number in [0, 1)")
-        if not isinstance(self.downcast, str) or self.downcast not in _DOWNCAST:
-            raise ConfigError(f"DASO(downcast={self.downcast!r}): must be one of {list(_DOWNCAST)}")
+        if not isinstance(self.downcast, str) or self.downcast not in DOWNCAST:
+            raise ConfigError(f"DASO(downcast={self.downcast!r}): must be one of {list(DOWNCAST)}")
 
     def check(self, stages: int, data_parallel: int) -> None:
         """Raise before any work if the node size does not fit the replicas."""
@@ -148,7 +147,7 @@ class DasoReplicas(Strategy):
         self.schedule: DasoSchedule | None = None
         self.pending: dict[int, tuple[list[Any], list[torch.Tensor], int]] = {}
         self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "daso")
-        self.downcast = self._probe(_DOWNCAST[spec.downcast])
+        self.downcast = self._probe(DOWNCAST[spec.downcast])
         self._epoch_steps, self._total = spec.epoch_steps, spec.total_epochs
         self.last_events: list[Any] = []  # the schedule's events of the last step
         # the parameters of the last blocking average; a checkpoint's load resets them from
@@ -201,21 +200,8 @@ class DasoReplicas(Strategy):
 
     def _probe(self, dtype: torch.dtype) -> torch.dtype:
         """Whether the global groups' backend sums `dtype`; fp32 where it does not."""
-        if dtype == torch.float32:
-            return dtype
-        group = self.global_groups[self.local_index]
-        ok = torch.ones(1)
-        if group is not None:
-            try:
-                self.comm.all_reduce(torch.ones(2, dtype=dtype), group, "probe")
-            except (RuntimeError, ValueError) as exc:
-                ok.zero_()
-                log.warning("DASO: %s all-reduce failed on this backend (%s)", dtype, exc)
-        self.comm.all_reduce(ok, self.dp_group, "probe", op=dist.ReduceOp.MIN)
-        if ok.item() == 0:
-            log.warning("DASO: blocking averages fall back from %s to fp32", dtype)
-            return torch.float32
-        return dtype
+        probe = self.global_groups[self.local_index]
+        return summable(self.comm, probe, self.dp_group, dtype, "DASO's blocking averages")
 
     # -- the hooks -------------------------------------------------------------
 

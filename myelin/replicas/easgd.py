@@ -9,7 +9,11 @@ toward a center x~ with the moving rate alpha (= eta * rho):
               lock-step and in a fixed reduction order, so bitwise reproducible. The
               all-reduce runs through the round's steps: the center takes its sum when
               it is next needed (the next round's pull, evaluation, a checkpoint), the
-              same numbers as taking it at once, without waiting for it at once
+              same numbers as taking it at once, without waiting for it at once.
+              With `downcast="fp16"` or `"bf16"` a round sends d_i = x_i - x~ in that
+              dtype instead (half the bytes) and the center moves by alpha sum_i d_i:
+              every rank still takes the one sum (identical centers, reproducible), and
+              what is rounded is the small difference, not the weights
     async     the center lives in the hub (replicas/hub.py); an exchange is one round
               trip served first come first served: send x_i, get x~ back while the hub
               moves x~ by alpha (x_i - x~) (You et al.)
@@ -43,7 +47,7 @@ import torch
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy, own_state
-from myelin.replicas.collectives import Collectives
+from myelin.replicas.collectives import DOWNCAST, Collectives, summable
 from myelin.replicas.flat import flatten, holding, unflatten
 from myelin.runtime.tied import equalise
 
@@ -57,13 +61,16 @@ class EASGD:
     """EASGD's settings. tau: steps between exchanges; alpha: moving rate (default
     0.9 / replicas, i.e. beta = 0.9); mode: "sync", "async" or "hogwild"; momentum: MEASGD's
     mu on the local SGD update (0: plain EASGD; > 0 needs torch.optim.SGD without its own
-    momentum). In async and hogwild modes a hub silent for
+    momentum); downcast (sync mode): the dtype a round sends, "fp32" (x_i, as the papers)
+    or "fp16"/"bf16" (x_i - x~, half the bytes; probed on the backend, fp32 where it
+    cannot sum it). In async and hogwild modes a hub silent for
     TransportConfig.peer_timeout_s is a PeerLostError on every rank."""
 
     tau: int = 1
     alpha: float | None = None
     mode: str = "sync"
     momentum: float = 0.0
+    downcast: str = "fp32"
 
     name = "easgd"
     # each replica applies its own gradient, never averaged: max_grad_norm clips it by its
@@ -79,6 +86,14 @@ class EASGD:
             raise ConfigError(f"EASGD(mode={self.mode!r}): must be one of {list(MODES)}")
         if not _number(self.momentum, 0.0, 1.0) or self.momentum == 1.0:
             raise ConfigError(f"EASGD(momentum={self.momentum!r}): must be a number in [0, 1)")
+        if not isinstance(self.downcast, str) or self.downcast not in DOWNCAST:
+            raise ConfigError(f"EASGD(downcast={self.downcast!r}): must be one of {list(DOWNCAST)}")
+        if self.downcast != "fp32" and self.mode != "sync":
+            raise ConfigError(
+                f"EASGD(downcast={self.downcast!r}) needs mode='sync' (got {self.mode!r}): "
+                f"the hub's exchanges carry x_i and x~ themselves, and rounding them would "
+                f"round the weights, not a difference"
+            )
 
     def check(self, stages: int, data_parallel: int) -> None:
         """Raise before any work if alpha makes the sync center diverge."""
@@ -150,6 +165,10 @@ class EasgdReplicas(Strategy):
         self._center = flatten(self.params)
         self._round: tuple[torch.Tensor, Any] | None = None  # (sum, work): not yet applied
         self.velocity = torch.zeros_like(self._center) if spec.momentum else None
+        self.dtype = torch.float32  # what a sync round sends: x_i, or x_i - x~ when lower
+        if spec.mode == "sync" and self.group is not None and self.params:
+            self.dtype = summable(self.comm, self.group, self.group, DOWNCAST[spec.downcast],
+                                  "EASGD's rounds")  # fmt: skip
         self.hub = None
         self._viewing = False
         if spec.mode != "sync":
@@ -169,7 +188,10 @@ class EasgdReplicas(Strategy):
             self.exchanges += 1
             if self.spec.mode == "sync":
                 self._settle()  # the last round's sum, into the center this pull needs
-                total = x.clone()
+                if self.dtype == torch.float32:
+                    total = x.clone()
+                else:  # the difference, small, is what is rounded
+                    total = (x - self._center).to(self.dtype)
                 running = None
                 if self.group is not None:  # runs until the center is next needed
                     running = self.comm.start(total, self.group, "exchange")
@@ -213,14 +235,17 @@ class EasgdReplicas(Strategy):
 
     def _settle(self) -> None:
         """Wait for the last sync round's sum and move the center by it:
-        x~ <- x~ + alpha (sum_i x_i - p x~)."""
+        x~ <- x~ + alpha (sum_i x_i - p x~), or x~ + alpha sum_i d_i when downcast."""
         if self._round is None:
             return
         total, work = self._round
         self._round = None
         if work is not None:
             self.comm.wait(work, "exchange")
-        self._center.add_(self.alpha * (total - self.replicas * self._center))
+        if total.dtype == torch.float32:
+            self._center.add_(self.alpha * (total - self.replicas * self._center))
+        else:
+            self._center.add_(total.float(), alpha=self.alpha)
 
     @property
     def in_flight(self) -> bool:
@@ -240,7 +265,7 @@ class EasgdReplicas(Strategy):
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes of x_i this rank put into sync rounds' all-reduces."""
+        """Bytes this rank put into sync rounds' all-reduces (x_i, or x_i - x~ downcast)."""
         return self.comm.traffic["exchange"].bytes if "exchange" in self.comm.traffic else 0
 
     def stats(self) -> dict[str, int]:

@@ -241,6 +241,27 @@ def test_easgd_sync_bitwise_reproducible_with_random_delays(four):
     assert four[0]["easgd"]["state_dict_is_center"]
 
 
+def test_easgd_sync_downcast_sends_half_the_bytes_and_keeps_one_center(four):
+    for r in four.values():
+        for dtype, tol in (("fp16", 2e-3), ("bf16", 2e-2)):
+            e = r["easgd"]
+            assert e[f"{dtype}_runs"][0] == e[f"{dtype}_runs"][1]  # reproducible
+            assert e[f"{dtype}_centers_equal"]
+            sent, per_exchange = e[f"{dtype}_bytes"]
+            assert sent == per_exchange * e[f"{dtype}_numel"]  # 2 bytes a parameter
+            # rounded differences: near the fp32 run, relative to how far the center moved
+            assert 0 < e[f"{dtype}_off"] < tol, e[f"{dtype}_off"]
+    assert len({r["easgd"]["fp16_runs"][0][1] for r in four.values()}) == 1
+
+
+def test_easgd_downcast_is_checked_before_any_work():
+    with pytest.raises(myelin.ConfigError, match=r"EASGD\(downcast='fp8'\): must be one of"):
+        myelin.EASGD(downcast="fp8")
+    with pytest.raises(myelin.ConfigError, match=r"downcast='fp16'\) needs mode='sync'"):
+        myelin.EASGD(mode="async", downcast="fp16")
+    assert myelin.EASGD(downcast="bf16").downcast == "bf16"
+
+
 def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
     for r in four.values():
         o = r["overlap"]
