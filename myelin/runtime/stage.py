@@ -119,10 +119,11 @@ class Stage:
                 f"loss_fn must return a scalar tensor, got "
                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
             )
-        if self.shares:
-            scaled = loss.reshape(())
+        scaled = loss if loss.dim() == 0 else loss.reshape(())  # (no view node when scalar)
+        if self.shares or (share is None and divisor == 1):
+            pass  # a step's share already, or the whole step: x / 1 would be x, bit for bit
         else:
-            scaled = loss.reshape(()) / divisor if share is None else loss.reshape(()) * share
+            scaled = scaled / divisor if share is None else scaled * share
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._flights[mb] = _Flight(inputs, (scaled,), loss.detach())
