@@ -6,7 +6,12 @@ dtype and device. With `overlap=True` (the default) a bucket is launched during 
 step's last backward as soon as every gradient in it is final (a post-accumulate-grad
 hook per parameter), the last bucket first (backward finishes the last parameters
 first), strictly in that order so that every replica issues the same collectives in the
-same order; what is left is launched when the backwards are done. Then each bucket is waited for
+same order; what is left is launched when the backwards are done. On the first stage the
+first bucket, which goes last, carries no hooks: it can leave only once every gradient is
+final, and there nothing of the backward follows the last one (no input needs a gradient),
+so it leaves when the backwards are done, at no cost in overlap, and a model of one
+bucket runs no Python hook in its backward (one call per parameter, measured at 0.36 ms a
+step for the bench's 29-parameter GPT on a 2-core CPU). Then each bucket is waited for
 (bounded: runtime/bounded.py), divided by the number of replicas and copied back. Both
 paths do the same arithmetic on the same buckets, so their results are equal bit for bit.
 The loop does not arm the overlap on a stage whose tied parameters are summed with another
@@ -66,6 +71,7 @@ class AllReduce:
             bucket_bytes=max(1, int(self.bucket_mb * 2**20)),
             overlap=self.overlap,
             timeline=ctx.timeline,
+            first_stage=ctx.world.stage == 0,
         )
 
 
@@ -83,8 +89,10 @@ class AllReduceReplicas(Strategy):
         bucket_bytes: int = 25 * 2**20,
         overlap: bool = True,
         timeline: Any = None,
+        first_stage: bool = False,
     ) -> None:
         self.group = group
+        self.first_stage = first_stage  # its first bucket needs no hooks (module docstring)
         self.replicas = replicas
         self.waits = waits  # bounded waits (runtime/bounded.py): a departed peer cannot hang
         self.comm = Collectives(waits, timeline, "allreduce")  # "gradients", "loss"
@@ -114,8 +122,11 @@ class AllReduceReplicas(Strategy):
             raise MyelinError("AllReduce: the parameters whose gradients it reduces changed")
         self._hooked = (params, holders)
         self._plan = plan_buckets(holders, self)
+        last = set(self._plan[0]) if self.first_stage and self._plan else set()
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._final(i)) for i, p in enumerate(params)
+            p.register_post_accumulate_grad_hook(self._final(i))
+            for i, p in enumerate(params)
+            if i not in last
         ]
 
     def close(self) -> None:

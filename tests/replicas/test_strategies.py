@@ -273,14 +273,20 @@ def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
             assert off["stats"]["buckets_overlapped"] == 0
             assert on["stats"]["global_bytes"] == 3 * on["numel"] * 4  # fp32 gradients
             # the last step (2 microbatches): buckets last to first; those final before
-            # the first layer's gradient went out during the last backward, before it ended
-            for run, when in ((on, "backward"), (off, "after")):
-                launches = [e for e in run["events"] if e[0] != "first"]
-                assert launches == [[when, b] for b in reversed(range(buckets))]
+            # the first layer's gradient went out during the last backward, before it ended;
+            # the first bucket on the first stage, final only at the backward's end, carries
+            # no hooks and leaves after it
+            launches = [e for e in on["events"] if e[0] != "first"]
+            assert launches == [["backward", b] for b in reversed(range(1, buckets))] + [
+                ["after", 0]
+            ]
+            launches = [e for e in off["events"] if e[0] != "first"]
+            assert launches == [["after", b] for b in reversed(range(buckets))]
             firsts = [i for i, e in enumerate(on["events"]) if e[0] == "first"]
             assert firsts[0] == 0 and len(firsts) == 2  # the first microbatch launches nothing
             assert firsts[1] >= 3  # at least 2 buckets launched before the backward's end
-            assert on["stats"]["buckets_overlapped"] == on["stats"]["buckets"]
+            assert on["events"][-1] == ["after", 0]
+            assert on["stats"]["buckets_overlapped"] == on["stats"]["buckets"] - 3  # 3 steps
             assert [e[0] for e in off["events"][:2]] == ["first", "first"]  # after: at the end
 
 
