@@ -188,11 +188,12 @@ def worker(args: argparse.Namespace) -> None:
         evaluate = lambda: t.evaluate(val)  # noqa: E731
         stats = t.loop.replicas.stats
         traffic = t.loop.replicas.traffic
-    start = time.monotonic()
+    start, cpu = time.monotonic(), 0.0
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         train_step(*train.get(step))
         step_s.append(time.perf_counter() - t0)
+        cpu += time.process_time() - c0  # every thread of the rank, its own and torch's
         if (step + 1) % args.eval_every == 0 or step + 1 == steps:
             # training time until every rank has done these steps: where replicas do not
             # wait for each other every step (DASO, EASGD), the first to get here would
@@ -214,11 +215,28 @@ def worker(args: argparse.Namespace) -> None:
         "stats": stats(),
         "traffic": traffic() if traffic is not None else None,  # waits and bytes by kind
         "load": os.getloadavg()[0],
+        "cpu_s": cpu,
+        "threads": thread_cpu(),
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
     if args.peer != "ddp":
         t.close()
     os._exit(0)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of this process's threads by name, since it started (Linux;
+    empty elsewhere): where a rank's CPU goes beside the training thread."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _free_port() -> int:
@@ -352,7 +370,7 @@ def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[lis
         goal = goals.get(anchor, target)
         if goal is None:
             raise SystemExit(f"{peer}: run {anchor} too, or pass --target")
-        reach, at_h, share, step, sent = [], [], [], [], []
+        reach, at_h, share, step, sent, cpu = [], [], [], [], [], []
         for run in runs:
             curve = run[0]["curve"]
             hit = [t for t, _, v in curve if v <= goal]
@@ -362,6 +380,10 @@ def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[lis
             if run[0]["comm_s"] is not None:
                 share.append(sum(run[r]["comm_s"] for r in run) / sum(steps))
             step.append(sum(steps) / sum(len(run[r]["step_s"]) for r in run))
+            if all("cpu_s" in run[r] for r in run):
+                cpu.append(
+                    sum(run[r]["cpu_s"] for r in run) / sum(len(run[r]["step_s"]) for r in run)
+                )
             sent.append(
                 run[0].get("link_bytes") or max(run[r]["stats"].get("global_bytes", 0) for r in run)
             )
@@ -375,6 +397,7 @@ def summarise(records: dict[str, list[dict]], target: float | None) -> tuple[lis
                 "final_val": min(run[0]["curve"][-1][2] for run in runs),
                 "comm_share": min(share) if share else None,
                 "step_ms": 1000 * min(step),
+                "cpu_ms": 1000 * min(cpu) if cpu else None,  # a rank's CPU a step
                 "bytes": min(sent),
             }
         )
@@ -424,7 +447,16 @@ def main() -> None:
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     rows, goals = summarise(records, args.target)
     print_table(
-        ["peer", "to target s", "loss @ horizon", "final val", "comm share", "step ms", "bytes"],
+        [
+            "peer",
+            "to target s",
+            "loss @ horizon",
+            "final val",
+            "comm share",
+            "step ms",
+            "cpu ms",
+            "bytes",
+        ],
         [
             [
                 r["peer"],
@@ -433,6 +465,7 @@ def main() -> None:
                 f"{r['final_val']:.3f}",
                 "n/a" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%",
                 f"{r['step_ms']:.0f}",
+                "n/a" if r["cpu_ms"] is None else f"{r['cpu_ms']:.1f}",
                 f"{r['bytes'] / 2**20:.1f} MiB",
             ]
             for r in rows

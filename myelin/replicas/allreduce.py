@@ -102,6 +102,7 @@ class AllReduceReplicas(Strategy):
         self.bytes = 0  # gradient bytes this rank put into all-reduces
         self.buckets = 0  # buckets all-reduced
         self.overlapped = 0  # of them, launched during the last backward
+        self.armed = 0  # steps whose last backward launched buckets as they became final
         self.trace: list[tuple[str, int]] | None = None  # a list: (when, bucket) per launch
         self._hooked: tuple[list[Any], list[Any]] | None = None
         self._handles: list[Any] = []  # the launch hooks on the parameters, once hooked
@@ -116,6 +117,7 @@ class AllReduceReplicas(Strategy):
         if self._hooked is None or self._hooked[1] is not holders:
             self._hook(list(params), holders)
         self._step = _Reduction(holders, self._plan, self)
+        self.armed += 1
 
     def _hook(self, params: list[Any], holders: Sequence[Any]) -> None:
         if self._hooked is not None:
@@ -154,6 +156,7 @@ class AllReduceReplicas(Strategy):
             "global_bytes": self.bytes,
             "buckets": self.buckets,
             "buckets_overlapped": self.overlapped,
+            "steps_overlapped": self.armed,
         }
 
     def traffic(self) -> dict[str, dict[str, float]]:

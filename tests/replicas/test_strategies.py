@@ -287,6 +287,7 @@ def test_allreduce_overlapped_with_the_last_backward_changes_no_bit(four):
             assert firsts[1] >= 3  # at least 2 buckets launched before the backward's end
             assert on["events"][-1] == ["after", 0]
             assert on["stats"]["buckets_overlapped"] == on["stats"]["buckets"] - 3  # 3 steps
+            assert on["stats"]["steps_overlapped"] == 3 and off["stats"]["steps_overlapped"] == 0
             assert [e[0] for e in off["events"][:2]] == ["first", "first"]  # after: at the end
 
 

@@ -214,7 +214,7 @@ def run_case(case):
             "transport": trainer.transport.kind if trainer.transport else None,
             "memory": trainer.memory_stats(),
             "weights": trainer.loop.stats.weights,  # W operations run (split backwards)
-            "overlapped": getattr(trainer.loop.replicas, "overlapped", None),
+            "overlapped": getattr(trainer.loop.replicas, "armed", None),  # steps
         }
 
 
