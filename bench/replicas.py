@@ -44,6 +44,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -229,9 +230,10 @@ def thread_cpu() -> dict[str, float]:
     empty elsewhere): where a rank's CPU goes beside the training thread."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
+    named = {t.native_id: t.name for t in threading.enumerate()}  # Python's names, not comm's
     for task in Path("/proc/self/task").glob("*"):
         try:
-            name = (task / "comm").read_text().strip()
+            name = named.get(int(task.name)) or (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue

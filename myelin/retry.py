@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Savepoint", "forget_step", "savepoint"]
+__all__ = ["Savepoint", "forget_step", "norm_layers", "savepoint"]
 
 
 @dataclass(slots=True)
@@ -32,15 +32,22 @@ def savepoint(trainer: Any) -> Savepoint | None:
     Cheap: the norm layers' running statistics are copied, the rest is a few references."""
     if trainer.world.layout.world_size != 1:
         return None
+    if trainer.norm_layers is None:  # found once: a walk of the module tree costs every step
+        trainer.norm_layers = norm_layers(trainer.module)
     stats = [
         (b, b.clone())
-        for m in trainer.module.modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        for m in trainer.norm_layers
+        if m.track_running_stats
         for b in m.buffers(recurse=False)
     ]
     scaler = getattr(trainer.updater, "scaler", None)
     scale = scaler.state_dict() if scaler is not None else None
     return Savepoint(stats, trainer.streams.mark(), scale)
+
+
+def norm_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of `module` with running statistics a failed step may have changed."""
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
 
 
 def forget_step(trainer: Any, saved: Savepoint | None, exc: BaseException, training: bool) -> bool:
