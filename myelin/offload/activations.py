@@ -182,14 +182,18 @@ class ActivationStore:
             # a node's own output would be a reference cycle). A plain tuple: made per tensor.
             return (page, t.detach())
 
-        persistent, kept, kind = self._persistent, entry.kept, self.device.type
+        persistent, kept, kind, budget = self._persistent, entry.kept, self.device.type, self.budget
 
         def account(t: torch.Tensor) -> Any:
-            """`pack` when nothing is paged out (every tensor kept): fewer looks a tensor."""
+            """`pack` when nothing is paged out (every tensor kept): `_keep` inlined, as it
+            runs for every tensor autograd saves."""
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in persistent and ptr not in kept and t.device.type == kind:
-                return self._keep(entry, t, ptr, storage.nbytes(), doing)
+                size = storage.nbytes()
+                budget.add("activations", size, doing)  # (as _grow)
+                entry.resident += size
+                kept[ptr] = size
             return t.detach()  # (as in _keep)
 
         self._saving = entry
