@@ -107,6 +107,7 @@ class AllReduceReplicas(Strategy):
         self._hooked: tuple[list[Any], list[Any]] | None = None
         self._handles: list[Any] = []  # the launch hooks on the parameters, once hooked
         self._step: _Reduction | None = None  # the reduction the hooks feed, while armed
+        self._sized: tuple[list[Any], int] | None = None  # (params, their bytes), last seen
 
     def last_backward(self, params: Sequence[Any], holders: Sequence[Any]) -> None:
         """The step's last backward is about to run: launch buckets as their gradients
@@ -145,7 +146,9 @@ class AllReduceReplicas(Strategy):
 
     def backwards_done(self, params: list[torch.nn.Parameter], loss: float) -> float:
         """Average the gradients of `params` and the loss over the replicas."""
-        self.bytes += sum(p.numel() * p.element_size() for p in params)
+        if self._sized is None or self._sized[0] is not params:  # the same list every step
+            self._sized = (params, sum(p.numel() * p.element_size() for p in params))
+        self.bytes += self._sized[1]
         run, self._step = self._step, None
         if run is None:
             run = _Reduction(params, plan_buckets(params, self), self)
