@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from myelin.errors import ConfigError
+from myelin.replicas.hogbatch_dispatch import progress_done
 from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_strategy import (
     HogbatchStrategy,
@@ -131,6 +132,14 @@ class Hogbatch:
             kind = None
         if kind not in ("cpu", "cuda"):
             raise ConfigError(f"Hogbatch(device={self.device!r}): must be 'cpu' or 'cuda[:i]'")
+        if kind == "cuda":  # said here, not by the spawned worker after the others started
+            index, count = torch.device(self.device).index, torch.cuda.device_count()
+            if not torch.cuda.is_available() or count == 0:
+                raise ConfigError(f"Hogbatch(device={self.device!r}): no CUDA device here")
+            if index is not None and index >= count:
+                raise ConfigError(
+                    f"Hogbatch(device={self.device!r}): this host has {count} CUDA device(s)"
+                )
 
     def check(self, stages: int, data_parallel: int) -> None:
         """In a Trainer: one process holds the model and runs the workers (no pipeline
@@ -193,10 +202,11 @@ class Hogbatch:
                    eval_data=eval_data, resume=resume, eval_every_s=eval_every_s)  # fmt: skip
         return live.train(on_epoch)
 
-    def check_resume(self, resume: Any, weights: int, samples: int) -> None:
+    def check_resume(
+        self, resume: Any, weights: int, samples: int, where: str = "Hogbatch.fit(resume=...)"
+    ) -> None:
         """`fit(resume=...)` must be a report's `state` for this model, data and device_batch:
         what differs is a ConfigError saying so, before any worker starts."""
-        where = "Hogbatch.fit(resume=...)"
         if not isinstance(resume, dict) or not {"weights", "controller", "epoch"} <= set(resume):
             got = sorted(resume) if isinstance(resume, dict) else type(resume).__name__
             raise ConfigError(
@@ -218,14 +228,21 @@ class Hogbatch:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"{where}: controller is not the rule's state ({e!r})") from e
         lo, hi = self.device_batch
-        if type(batch) is not int or not lo <= batch <= hi:
+        if type(batch) is not int or (self.adaptive and not lo <= batch <= hi):
             raise ConfigError(
                 f"{where}: controller's batch {batch!r} is outside device_batch={(lo, hi)}"
             )
         if type(resume["epoch"]) is not int or resume["epoch"] < 0:
             raise ConfigError(f"{where}: epoch={resume['epoch']!r} must be an int >= 0")
         progress = resume.get("progress")
-        if progress is not None and not _progress_of(progress, samples):
+        if progress is not None and _progress_of(progress, progress.get("samples", samples)):
+            if progress.get("samples", samples) != samples and not progress_done(progress):
+                raise ConfigError(
+                    f"{where}: the run stopped in epoch {progress['epoch']} of a dataset of "
+                    f"{progress['samples']} samples, and this one has {samples}: finish that "
+                    f"epoch on the same data (the positions done are positions in it)"
+                )
+        elif progress is not None:
             raise ConfigError(
                 f"{where}: progress {progress!r:.200} is not positions in a dataset of "
                 f"{samples} samples (epoch, cursor <= {samples} and todo ranges within it)"

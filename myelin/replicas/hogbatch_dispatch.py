@@ -8,8 +8,9 @@ An epoch is complete when every one of its ranges is done. Pure: no processes, n
 the runner (hogbatch_run.py) and the simulated clock (hogbatch_sim.py) drive it alike.
 
 `progress` says exactly which samples are in the weights (a checkpoint's): the frontier
-(epoch, cursor) and the ranges before it not done; a Dispatcher built from it hands out
-only those and what lies past the frontier, so a resumed run trains no sample twice.
+(epoch, cursor), the ranges before it not done and the dataset's size; a Dispatcher built
+from it hands out only those and what lies past the frontier, so a resumed run trains no
+sample twice.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Dispatcher", "Range"]
+__all__ = ["Dispatcher", "Range", "progress_done"]
 
 
 class Range(NamedTuple):
@@ -28,6 +29,13 @@ class Range(NamedTuple):
     epoch: int
     start: int
     count: int
+
+
+def progress_done(progress: dict[str, Any]) -> bool:
+    """Whether `progress` (Dispatcher.progress) holds only complete epochs: the next epoch may
+    start afresh on any data. False where it cannot tell (an older one, without `samples`)."""
+    samples = progress.get("samples")
+    return samples is not None and not progress["todo"] and progress["cursor"] >= samples
 
 
 class Dispatcher:
@@ -84,10 +92,12 @@ class Dispatcher:
         for w, ranges in self.outstanding.items():
             todo += ranges[landed.get(w, 0) :]
         if self.beyond is None:
-            return {"epoch": self.epoch, "cursor": self.cursor, "todo": [list(r) for r in todo]}
+            return {"epoch": self.epoch, "cursor": self.cursor, "todo": [list(r) for r in todo],
+                    "samples": self.samples}  # fmt: skip
         if self.cursor < self.samples:  # this run stopped short of its last epoch's end
             todo.append(Range(self.epoch, self.cursor, self.samples - self.cursor))
-        return {**self.beyond, "todo": [list(r) for r in todo] + self.beyond["todo"]}
+        return {**self.beyond, "todo": [list(r) for r in todo] + self.beyond["todo"],
+                "samples": self.samples}  # fmt: skip
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """Epoch `epoch`'s order of the samples (the same for every caller)."""

@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from myelin.errors import DeadlineError, MyelinError, PeerLostError
-from myelin.replicas.hogbatch_dispatch import Dispatcher, Range
+from myelin.replicas.hogbatch_dispatch import Dispatcher, Range, progress_done
 from myelin.replicas.hogbatch_model import portable
 from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_store import SharedModel, load_flat
@@ -86,8 +86,16 @@ class Run:
         if resume is not None:
             self.store.weights.copy_(resume["weights"])
             self.ctl.load_state_dict(resume["controller"])
+            if not cfg.adaptive:
+                self.ctl.batch = cfg.device_batch[1]  # fixed: hi, whatever the run before chose
+            for w in [w for w in self.ctl.samples if w > cfg.cpu_workers]:
+                self.ctl.forget(w)  # a worker of the run before that this one does not have
             self.first_epoch = int(resume["epoch"])
             progress = resume.get("progress")  # absent: an older checkpoint, whole epochs
+            if progress is not None and progress_done(progress):
+                progress = None  # its epochs are complete: the next starts fresh, any data
+        if cfg.record is not None:
+            os.makedirs(cfg.record, exist_ok=True)  # before any training it would lose
         self.data = tuple(t.detach().cpu().contiguous().share_memory_() for t in data)
         host_model = copy.deepcopy(model).cpu()
         self.job = {"model": portable(host_model), "loss_fn": loss_fn, "lr": lr,
@@ -108,7 +116,8 @@ class Run:
         try:
             self.runner.start(self.ctx, self.job, self.data)
             self.runner.drive(self.evaluator, on_epoch)
-            self.runner.stop()
+            self.runner.stop(self.evaluator)
+            self.runner.tell(on_epoch)  # epochs the batches in flight completed
         finally:
             self.runner.kill()
             self.evaluator.close()
@@ -286,15 +295,20 @@ class _Run:
                 self.procs[w].join(5)
                 self._lost(w, evaluator)
             self._assign()
-            stop = False
-            while self.completed < len(self.disp.completed):
-                if on_epoch is not None:
-                    epoch = self.disp.completed[self.completed]
-                    stop = on_epoch(epoch, time.perf_counter() - self.t0) is True or stop
-                self.completed += 1
-            if stop:
-                break  # the caller asked to stop after this epoch; work in flight is dropped
+            if self.tell(on_epoch):
+                break  # the caller asked to stop after this epoch; work in flight still lands
         self.wall_s = time.perf_counter() - self.t0
+
+    def tell(self, on_epoch: Any) -> bool:
+        """Call `on_epoch` for each epoch completed since the last call; whether one asked
+        to stop."""
+        stop = False
+        while self.completed < len(self.disp.completed):
+            if on_epoch is not None:
+                epoch = self.disp.completed[self.completed]
+                stop = on_epoch(epoch, time.perf_counter() - self.t0) is True or stop
+            self.completed += 1
+        return stop
 
     def _assign(self) -> None:
         for w in sorted(self.alive):
@@ -378,23 +392,34 @@ class _Run:
             )
         self.disp.lose(w)
 
-    def stop(self) -> None:
-        """Ask every live worker to stop (it writes its record first) and wait for it."""
+    def stop(self, evaluator: _Evaluator) -> None:
+        """Ask every live worker to stop (it writes its record first) and wait for it. The
+        batches in flight land (an epoch they complete is evaluated); a worker that dies
+        meanwhile is lost as in training (`on_worker_loss`), its ranges left to do."""
         deadline = time.monotonic() + self.cfg.timeout_s
         for w in sorted(self.alive):
-            self.conns[w].send_bytes(pack({"op": "stop"}))
+            try:
+                self.conns[w].send_bytes(pack({"op": "stop"}))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # it died: found below
         for w in sorted(self.alive):
-            conn = self.conns[w]
-            while wait([conn, self.procs[w].sentinel], max(deadline - time.monotonic(), 0)):
-                if not conn.poll():
-                    break  # it exited
-                msg = unpack(conn.recv_bytes())
-                if msg["op"] != "done":
-                    self._check(w, msg, "stopped")
-                    break
-                # a batch in flight when the run was cut short: its update is in the weights
-                self.disp.done(w, self._record(w, msg))
+            conn, stopped = self.conns[w], False
+            try:
+                while wait([conn, self.procs[w].sentinel], max(deadline - time.monotonic(), 0)):
+                    if not conn.poll():
+                        break  # it exited
+                    msg = unpack(conn.recv_bytes())
+                    if msg["op"] != "done":
+                        self._check(w, msg, "stopped")
+                        stopped = True
+                        break
+                    # a batch in flight when the run was cut short: its update is in the weights
+                    self._finish(w, self._record(w, msg), evaluator)
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                pass  # its pipe closed: it died
             self.procs[w].join(max(deadline - time.monotonic(), 0))
+            if not stopped and self.procs[w].exitcode is not None:
+                self._lost(w, evaluator)  # died before saying it stopped
 
     def kill(self) -> None:
         """Kill whatever still runs and close the pipes (safe after stop)."""

@@ -92,14 +92,28 @@ class SharedModel:
                 offset += n
         return version
 
-    def add(self, step: torch.Tensor, lr: float, worker: int) -> int:
+    def add(
+        self,
+        step: torch.Tensor,
+        lr: float,
+        worker: int,
+        read: int | None = None,
+        max_staleness: int | None = None,
+    ) -> tuple[int, float]:
         """weights -= lr * step (in place, as torch.optim.SGD does it) and count one update of
-        `worker`; the version just before it."""
+        `worker`; (the version just before it, the lr applied). With `max_staleness`, a step
+        computed on weights `read` at a version more than that many updates old counts for
+        less: lr * bound / staleness, the staleness read here, with the version it lands at
+        (under the lock, exactly the staleness reported)."""
         with self._held():
             version = self.version()
+            if max_staleness is not None and read is not None:
+                tau = version - read
+                if tau > max_staleness:
+                    lr *= max_staleness / tau  # the hard guard: a very stale step counts less
             self.weights.add_(step, alpha=-lr)
             self.counters[worker] += 1
-        return version
+        return version, lr
 
     def snapshot(self, timeout_s: float | None = None, counted: bool = False) -> Any:
         """A private copy of the weights (for evaluation off the training path, checkpoints);

@@ -136,6 +136,8 @@ class HogbatchStrategy(Strategy):
         if self.controller is not None:
             resume = {"weights": start, "controller": self.controller,
                       "epoch": self.next_epoch, "progress": self.progress}  # fmt: skip
+            where = "Trainer.fit under sync=Hogbatch (going on from the last fit or checkpoint)"
+            self.cfg.check_resume(resume, start.numel(), x.shape[0], where)
         live = Run(self.cfg, worker_copy(trainer.module), trainer.loop.stage.loss_fn, (x, y),
                    lr=lr, weight_decay=wd, epochs=epochs, eval_data=eval_data,
                    resume=resume)  # fmt: skip

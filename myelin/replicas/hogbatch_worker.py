@@ -131,11 +131,7 @@ class _Worker:
             if left > 0:
                 time.sleep(left)
         lr = self.job["lr"] * (1.0 if self.index == 0 else self.job["cpu_lr_scale"])
-        tau = self.store.version() - v_read
-        bound = self.job["max_staleness"]
-        if bound is not None and tau > bound:
-            lr *= bound / tau  # the hard guard: a very stale step counts for less
-        v_add = self.store.add(self.step, lr, self.index)
+        v_add, lr = self.store.add(self.step, lr, self.index, v_read, self.job["max_staleness"])
         if self.job["record"]:
             step = self.step.clone()
             rng = (epoch, start, count)

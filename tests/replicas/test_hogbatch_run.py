@@ -459,3 +459,88 @@ def test_a_loss_the_workers_cannot_receive_is_a_config_error_before_any_start():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(ConfigError, match="loss_fn .* cannot be sent to the spawned worker"):
         myelin.Hogbatch(cpu_workers=1).fit(model, opt, lambda o, t: (o - t).pow(2).mean(), data)
+
+
+def test_max_staleness_scales_each_step_by_the_staleness_it_lands_with(tmp_path):
+    """The guard reads the staleness where the step lands (under the lock, the version it
+    lands at): every step past the bound is scaled by bound / staleness, and the report's
+    staleness is the one applied (it was read before waiting for the add)."""
+    model, data, _ = problem(n=1024)
+    w0 = flat(model).clone()
+    cfg = myelin.Hogbatch(cpu_workers=3, cpu_batch=2, device_batch=(8, 8), adaptive=False,
+                          lock=True, max_staleness=1, record=str(tmp_path / "new" / "dir"),
+                          timeout_s=100)  # fmt: skip  (record: a directory made for it)
+    cfg.fit(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.MSELoss(), data)
+    recs = load_records(tmp_path / "new" / "dir")
+    stale = [r["version"] - r["read"] for r in recs if r["version"] - r["read"] > 1]
+    assert stale  # 4 workers under one lock: steps land behind others'
+    for r in recs:
+        tau = r["version"] - r["read"]
+        assert r["lr"] == (0.01 * (1 / tau) if tau > 1 else 0.01)
+    w = w0.clone()
+    for r in recs:
+        w.add_(r["step"], alpha=-r["lr"])
+    assert torch.equal(flat(model), w)
+
+
+def test_a_resume_under_other_settings_uses_them():
+    """Fixed Hogbatch resumed from an adaptive run's state trains at its own batch (hi);
+    a run with fewer CPU workers forgets the rates of those it does not have."""
+    model, data, _ = problem(n=1024)
+    emulate = ((0.001, 0.0001), (0.0005, 0.0001))
+    first = myelin.Hogbatch(cpu_workers=3, device_batch=(16, 256), budget=0.9, timeout_s=100,
+                            emulate=emulate).fit(model, torch.optim.SGD(model.parameters(),
+                            lr=0.01), torch.nn.MSELoss(), data)  # fmt: skip
+    state = first["state"]
+    assert set(state["controller"]["samples"]) == {0, 1, 2, 3}
+    assert state["controller"]["batch"] != 256
+    fixed = myelin.Hogbatch(cpu_workers=1, device_batch=(16, 256), adaptive=False,
+                            timeout_s=100, emulate=emulate)  # fmt: skip
+    rep = fixed.fit(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.MSELoss(),
+                    data, resume=state)  # fmt: skip
+    assert rep["device_batch"] == [(0.0, 256)]
+    assert set(rep["state"]["controller"]["samples"]) <= {0, 1}
+
+
+@pytest.mark.parametrize("policy", ["reassign", "raise"])
+def test_a_worker_that_dies_while_the_run_stops_is_lost_as_in_training(policy):
+    """on_epoch stops the run and a CPU worker dies then: "raise" names it (it was a raw
+    BrokenPipeError), "reassign" returns, the ranges it held left to do."""
+    model, data, _ = problem(n=600)
+    w0 = flat(model).clone()
+
+    def on_epoch(epoch, wall_s):
+        _kill("hogbatch-cpu1", {})
+        return True
+
+    cfg = myelin.Hogbatch(cpu_workers=2, cpu_batch=3, device_batch=(16, 32), lock=True,
+                          on_worker_loss=policy, timeout_s=30)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if policy == "raise":
+        with pytest.raises(PeerLostError, match="worker 1 died"):
+            cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=3, on_epoch=on_epoch)
+        return
+    rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=3, on_epoch=on_epoch)
+    assert not torch.equal(flat(model), w0) and torch.equal(rep["state"]["weights"], flat(model))
+    progress = rep["state"]["progress"]
+    assert rep["state"]["epoch"] >= 1 and progress["samples"] == 600
+
+
+def test_an_epoch_the_batches_in_flight_complete_is_evaluated_and_told():
+    """on_epoch stops the run while the next epoch is wholly in flight: that epoch completes
+    as the workers stop, and gets its on_epoch call and evaluation like any other."""
+    model, data, _ = problem(n=12)
+    seen = []
+    cfg = myelin.Hogbatch(cpu_workers=1, cpu_batch=2, device_batch=(2, 2), adaptive=False,
+                          lock=True, timeout_s=100, emulate=((0.01, 0.0), (0.01, 0.0)))  # fmt: skip
+    rep = cfg.fit(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.MSELoss(), data,
+                  epochs=3, on_epoch=lambda e, t: seen.append(e) or True)  # fmt: skip
+    done = rep["state"]["epoch"]  # the first epoch not complete
+    assert done >= 2  # (12 samples in ranges of 2: epoch 1 was all handed out at epoch 0's end)
+    assert seen == list(range(done)) and [e["epoch"] for e in rep["evals"]] == seen
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+def test_a_cuda_device_without_cuda_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"Hogbatch\(device='cuda:7'\): no CUDA device here"):
+        myelin.Hogbatch(device="cuda:7")

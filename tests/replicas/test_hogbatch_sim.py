@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from myelin.replicas.hogbatch_dispatch import Dispatcher, Range
+from myelin.replicas.hogbatch_dispatch import Dispatcher, Range, progress_done
 from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_sim import simulate
 
@@ -119,9 +119,10 @@ def test_progress_names_the_samples_in_the_weights_and_a_resume_trains_the_rest_
     nxt = d.take(0, 4)
     assert (a, b, c, nxt) == (Range(0, 0, 4), Range(0, 4, 4), Range(0, 8, 2), Range(1, 0, 4))
     d.done(1, b)
-    assert d.progress({0: 2}) == {"epoch": 1, "cursor": 4, "todo": [[1, 0, 4]]}
+    assert d.progress({0: 2}) == {"epoch": 1, "cursor": 4, "todo": [[1, 0, 4]], "samples": 10}
     state = d.progress({0: 1})  # epoch 0 not complete: c is still to do
-    assert state == {"epoch": 1, "cursor": 4, "todo": [[0, 8, 2], [1, 0, 4]]}
+    assert state == {"epoch": 1, "cursor": 4, "todo": [[0, 8, 2], [1, 0, 4]], "samples": 10}
+    assert not progress_done(state)
 
     def drain(disp):
         seen = []
@@ -134,7 +135,8 @@ def test_progress_names_the_samples_in_the_weights_and_a_resume_trains_the_rest_
     assert drain(one) == [Range(0, 8, 2)] and one.all_done()
     assert one.first_unfinished(0) == 1
     later = one.progress()
-    assert later == {"epoch": 1, "cursor": 4, "todo": [[1, 0, 4]]}
+    assert later == {"epoch": 1, "cursor": 4, "todo": [[1, 0, 4]], "samples": 10}
     two = Dispatcher(10, 1, 0, first_epoch=1, progress=later)
     assert drain(two) == [Range(1, 0, 3), Range(1, 3, 1), Range(1, 4, 3), Range(1, 7, 3)]
     assert two.all_done() and two.completed == [1]
+    assert progress_done(two.progress())  # only complete epochs: the next may use any data

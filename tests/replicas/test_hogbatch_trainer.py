@@ -297,3 +297,53 @@ def test_a_loss_the_workers_cannot_receive_is_refused_before_any_start():
         with pytest.raises(ConfigError, match="cannot be sent to the spawned worker processes"):
             t.fit(data)
         assert t.steps_done == 0
+
+
+def test_a_second_fit_on_other_data_is_one_epoch_of_it(tmp_path):
+    """A fit that ended at an epoch's end leaves no position for the next: a later fit on
+    another dataset trains each of its samples once per epoch (it finished "epoch 0" from
+    position 600 of the new data: 1400 samples for one epoch of 1000)."""
+    model, data, _ = problem(n=1000)
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(8, 8), adaptive=False, lock=True,
+                          timeout_s=100)  # fmt: skip
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog) as t:
+        t.fit((data[0][:600], data[1][:600]), epochs=1)
+        assert t.steps_done == 75
+        rows = t.fit(data, epochs=1)
+        (device,) = rows[-1]["hogbatch"]["workers"]
+        assert (device["updates"], device["samples"]) == (125, 1000)
+        assert [r["epoch"] for r in rows] == [1]
+
+
+def test_a_resumed_run_checks_the_checkpoint_against_its_data_and_settings(tmp_path):
+    """Trainer(resume=) under Hogbatch checks the run's state as Hogbatch.fit(resume=) does:
+    a run stopped mid-epoch cannot finish that epoch on a dataset of another size; fixed
+    Hogbatch trains at its own batch whatever the checkpoint's rule chose."""
+    model, data, _ = problem(n=600)
+    adaptive = myelin.Hogbatch(cpu_workers=0, device_batch=(8, 64), adaptive=True, budget=0.5,
+                               lock=True, timeout_s=100)  # fmt: skip
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=adaptive) as t:
+        # stopped by the time limit at epoch 0's end, while epoch 1 had begun
+        t.fit(data, epochs=3, max_seconds=1e-9)
+        t.save(tmp_path / "ck")
+        state = t.replicas.state_dict()
+    assert state["progress"]["samples"] == 600
+    assert state["epoch"] == 1 and state["progress"]["epoch"] == 1  # epoch 1 begun
+    small = (data[0][:100], data[1][:100])
+    with myelin.Trainer(problem(n=600)[0], SGD, torch.nn.MSELoss(), sync=adaptive,
+                        resume=tmp_path / "ck") as t:  # fmt: skip
+        with pytest.raises(ConfigError, match="dataset of 600 samples, and this one has 100"):
+            t.fit(small, epochs=1)
+    fixed = myelin.Hogbatch(cpu_workers=0, device_batch=(32, 32), adaptive=False, lock=True,
+                            timeout_s=100)  # fmt: skip
+    with myelin.Trainer(problem(n=600)[0], SGD, torch.nn.MSELoss(), sync=fixed,
+                        resume=tmp_path / "ck") as t:  # fmt: skip
+        rows = t.fit(data, epochs=1)
+        assert t.replicas.batch_sizes["device"] == 32
+        assert {b for _, b in rows[-1]["hogbatch"]["device_batch"]} == {32}
+    narrow = myelin.Hogbatch(cpu_workers=0, device_batch=(100, 200), adaptive=True, lock=True,
+                             timeout_s=100)  # fmt: skip
+    with myelin.Trainer(problem(n=600)[0], SGD, torch.nn.MSELoss(), sync=narrow,
+                        resume=tmp_path / "ck") as t:  # fmt: skip
+        with pytest.raises(ConfigError, match=r"outside device_batch=\(100, 200\)"):
+            t.fit(data, epochs=1)
