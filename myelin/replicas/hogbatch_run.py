@@ -20,7 +20,6 @@ import os
 import statistics
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 from myelin.errors import DeadlineError, MyelinError, PeerLostError
 from myelin.replicas.hogbatch_dispatch import Dispatcher, Range, progress_done
+from myelin.replicas.hogbatch_eval import Evaluator
 from myelin.replicas.hogbatch_model import portable
 from myelin.replicas.hogbatch_rule import Controller
 from myelin.replicas.hogbatch_store import SharedModel, load_flat
@@ -107,7 +107,7 @@ class Run:
         disp = Dispatcher(self.data[0].shape[0], epochs, cfg.seed, self.first_epoch, progress)
         self.runner = _Run(cfg, self.ctl, self.store, disp, eval_every_s)
         eval_model = copy.deepcopy(host_model).eval()  # not the workers'; no dropout in eval
-        self.evaluator = _Evaluator(eval_model, loss_fn, eval_data or self.data,
+        self.evaluator = Evaluator(eval_model, loss_fn, eval_data or self.data,
                                     params_of(eval_model))  # fmt: skip
 
     def train(self, on_epoch: Any = None) -> dict[str, Any]:
@@ -147,61 +147,6 @@ class Run:
 def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
     """The trainable parameters, in the order the shared segment holds them."""
     return [p for p in model.parameters() if p.requires_grad]
-
-
-class _Evaluator:
-    """The loss of a copy of the weights, in a thread, so training never waits for it."""
-
-    def __init__(self, model: torch.nn.Module, loss_fn: Any, data: tuple, params: list) -> None:
-        self.model, self.loss_fn, self.data, self.params = model, loss_fn, data, params
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hogbatch-eval")
-        self.futures: list[tuple[int, float, float, Any]] = []
-        self.timed: list[tuple[float, float, Any]] = []
-
-    def submit(self, epoch: int, wall_s: float, weights: torch.Tensor, seen: float = 0.0) -> None:
-        """Evaluate `weights` (a private copy) as of `wall_s` seconds into training, when
-        epoch `epoch` completed, `seen` epochs' worth of samples in."""
-        self.futures.append((epoch, wall_s, seen, self.pool.submit(self._loss, weights)))
-
-    def submit_timed(self, epochs: float, wall_s: float, weights: torch.Tensor) -> None:
-        """The same for a copy taken on the clock, `epochs` epochs' worth of samples in."""
-        self.timed.append((epochs, wall_s, self.pool.submit(self._loss, weights)))
-
-    def now(self, weights: torch.Tensor) -> float:
-        """The loss of `weights` (a private copy), waited for: fit's eval_first."""
-        return self.pool.submit(self._loss, weights).result()
-
-    def _loss(self, weights: torch.Tensor) -> float:
-        load_flat(self.params, weights)
-        with torch.no_grad():
-            total, n = 0.0, self.data[0].shape[0]
-            for i in range(0, n, 8192):
-                xb, yb = self.data[0][i : i + 8192], self.data[1][i : i + 8192]
-                total += float(self.loss_fn(self.model(xb), yb)) * xb.shape[0]
-        return total / n
-
-    def results(self) -> list[dict[str, float]]:
-        """Each epoch's loss, in the order epochs completed: epoch, wall seconds at the copy,
-        epochs' worth of samples trained by then, loss."""
-        return [{"epoch": e, "wall_s": w, "epochs": n, "loss": f.result()}
-                for e, w, n, f in self.futures]  # fmt: skip
-
-    def timed_results(self) -> list[dict[str, float]]:
-        """The copies taken on the clock: wall seconds, epochs' worth of samples, loss."""
-        return [{"wall_s": w, "epochs": e, "loss": f.result()} for e, w, f in self.timed]
-
-    def finished(self, start: int) -> list[dict[str, float]]:
-        """The results from the `start`-th on whose evaluation is over, in order; no wait."""
-        out = []
-        for e, w, _, f in self.futures[start:]:
-            if not f.done():
-                break
-            out.append({"epoch": e, "wall_s": w, "loss": f.result()})
-        return out
-
-    def close(self) -> None:
-        """Finish what was submitted and end the thread."""
-        self.pool.shutdown(wait=True)
 
 
 class _Run:
@@ -254,7 +199,7 @@ class _Run:
             self.alive.add(w)
         self.t0 = time.perf_counter()
 
-    def drive(self, evaluator: _Evaluator, on_epoch: Any = None) -> None:
+    def drive(self, evaluator: Evaluator, on_epoch: Any = None) -> None:
         """Hand out ranges until every epoch is done; evaluate each completed epoch (and a
         copy every `eval_every_s` seconds)."""
         self.batches.append((0.0, self.ctl.batch))
@@ -323,10 +268,10 @@ class _Run:
         if not any(self.busy.values()) and not self.disp.all_done():
             raise PeerLostError(-1, "training", "Hogbatch: no worker is left to train")
 
-    def _done(self, w: int, msg: dict[str, Any], evaluator: _Evaluator) -> None:
+    def _done(self, w: int, msg: dict[str, Any], evaluator: Evaluator) -> None:
         self._finish(w, self._record(w, msg), evaluator)
 
-    def _finish(self, w: int, r: Range, evaluator: _Evaluator) -> None:
+    def _finish(self, w: int, r: Range, evaluator: Evaluator) -> None:
         if self.disp.done(w, r):
             wall = time.perf_counter() - self.t0
             evaluator.submit(r.epoch, wall, self.snapshot(), self._seen())
@@ -371,7 +316,7 @@ class _Run:
         if msg["op"] != want:
             raise MyelinError(f"Hogbatch worker {w}: expected {want!r}, got {msg['op']!r}")
 
-    def _lost(self, w: int, evaluator: _Evaluator) -> None:
+    def _lost(self, w: int, evaluator: Evaluator) -> None:
         code = self.procs[w].exitcode
         self.alive.discard(w)
         self.ctl.forget(w)
@@ -392,7 +337,7 @@ class _Run:
             )
         self.disp.lose(w)
 
-    def stop(self, evaluator: _Evaluator) -> None:
+    def stop(self, evaluator: Evaluator) -> None:
         """Ask every live worker to stop (it writes its record first) and wait for it. The
         batches in flight land (an epoch they complete is evaluated); a worker that dies
         meanwhile is lost as in training (`on_worker_loss`), its ranges left to do."""
