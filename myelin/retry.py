@@ -1,7 +1,8 @@
 """A trainer of one rank forgets a step that failed before its optimizer update began.
 
 What the step changed on its way is put back (its activations and partial gradients
-dropped; running statistics, the layers' random streams and the loss scale as they were),
+dropped; running statistics, the layers' random streams, the loss scale and the state of
+each `myelin.nn.LSHSoftmax`, its step count, tables and generators, as they were),
 so the next step trains as if the failed one had never been called, and a bad input or a
 Ctrl-C in a notebook costs nothing. With several ranks a failed step still breaks the
 pipeline: the peers are mid-step, and abandoning a step together is not built.
@@ -14,8 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["Savepoint", "forget_step", "norm_layers", "savepoint"]
+from myelin.nn.layer import LSHSoftmax
+
+__all__ = ["Savepoint", "forget_step", "savepoint", "stateful_layers"]
 
 
 @dataclass(slots=True)
@@ -25,29 +29,35 @@ class Savepoint:
     stats: list[tuple[torch.Tensor, torch.Tensor]]  # (a running statistic, its value)
     streams: Any  # runtime/rng.LayerStreams.mark()
     scale: dict[str, Any] | None  # the fp16 loss scaler's state
+    lsh: list[tuple[LSHSoftmax, Any]]  # (a layer, its LSHSoftmax.savepoint())
 
 
 def savepoint(trainer: Any) -> Savepoint | None:
     """Taken before a step of a trainer of one rank (None with several: nothing to retry).
-    Cheap: the norm layers' running statistics are copied, the rest is a few references."""
+    Cheap: the norm layers' running statistics and the LSH layers' moved marks and
+    generator states are copied, the rest is a few references."""
     if trainer.world.layout.world_size != 1:
         return None
-    if trainer.norm_layers is None:  # found once: a walk of the module tree costs every step
-        trainer.norm_layers = norm_layers(trainer.module)
+    if trainer.stateful_layers is None:  # found once: a walk of the module tree costs
+        trainer.stateful_layers = stateful_layers(trainer.module)
+    layers = trainer.stateful_layers
     stats = [
         (b, b.clone())
-        for m in trainer.norm_layers
-        if m.track_running_stats
+        for m in layers
+        if isinstance(m, _NormBase) and m.track_running_stats
         for b in m.buffers(recurse=False)
     ]
     scaler = getattr(trainer.updater, "scaler", None)
     scale = scaler.state_dict() if scaler is not None else None
-    return Savepoint(stats, trainer.streams.mark(), scale)
+    lsh = [(m, m.savepoint()) for m in layers if isinstance(m, LSHSoftmax)]
+    return Savepoint(stats, trainer.streams.mark(), scale, lsh)
 
 
-def norm_layers(module: nn.Module) -> list[nn.Module]:
-    """The layers of `module` with running statistics a failed step may have changed."""
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+def stateful_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of `module` whose state a training step changes before its update: norm
+    layers' running statistics; an `LSHSoftmax`'s step count, moved marks, generators and,
+    now and then, its tables."""
+    return [m for m in module.modules() if isinstance(m, _NormBase | LSHSoftmax)]
 
 
 def forget_step(trainer: Any, saved: Savepoint | None, exc: BaseException, training: bool) -> bool:
@@ -70,6 +80,8 @@ def forget_step(trainer: Any, saved: Savepoint | None, exc: BaseException, train
         with torch.no_grad():
             for live, value in saved.stats:
                 live.copy_(value)
+            for layer, state in saved.lsh:
+                layer.restore(state)
         trainer.streams.rewind(saved.streams)
         if saved.scale is not None:
             updater.scaler.load_state_dict(saved.scale)

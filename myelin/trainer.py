@@ -166,7 +166,7 @@ class Trainer:
         self.sampler: Sampler | None = None
         self._closed = False
         self._froze, self._steps_here = False, 0  # collector.freeze, after _freeze_at steps
-        self.norm_layers: list[nn.Module] | None = None  # retry.savepoint's, found once
+        self.stateful_layers: list[nn.Module] | None = None  # retry.savepoint's, found once
         profiled = self._profile is not None  # frozen before the steady state it measures
         self._freeze_at = max(1, self._profile.warmup_steps) if profiled else collector.AFTER_STEPS
         self.transport: Transport | None = None

@@ -32,13 +32,16 @@ Memory per class (fp32, H = in_features, L = tables): weights and bias 4 (H + 1)
 LazyAdam 8 (H + 1) + 16 bytes (moments, per-row step counts of W and b); tables 20 L
 bytes (codes, sorted keys, ids); 1 byte marking the classes active since the last build;
 9 bytes of per-step scratch (the class -> active position map and the active mask). At
-H = 128, L = 8: 516 + 1048 + 160 + 10, about 1.7 KB.
+H = 128, L = 8: 516 + 1048 + 160 + 10, about 1.7 KB. In a one-rank Trainer, retry's
+`savepoint()` holds 1 byte more a class during a step (the marks), and a copy of the
+tables and hash functions during a step that rebuilds them, so a failed step is undone.
 Per step: A (H + 1) floats of gathered rows and B A of logits, A the active set's size.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -50,7 +53,7 @@ from myelin.nn.config import INFERENCE, LSHConfig
 from myelin.nn.hashing import Hasher, stream_seed
 from myelin.nn.tables import LSHTables, SeededModule, active_set
 
-__all__ = ["LSHSoftmax", "soft_target_loss", "sparse_rows"]
+__all__ = ["LSHSavepoint", "LSHSoftmax", "soft_target_loss", "sparse_rows"]
 
 
 class LSHSoftmax(SeededModule):
@@ -93,6 +96,7 @@ class LSHSoftmax(SeededModule):
         # labels) and floor classes
         self.stats = {"rebuilds": 0, "redraws": 0, "checks": 0, "last_change": 0.0}
         self.stats.update(last_active=0, last_labels=0, last_retrieved=0, last_floor=0)
+        self._savepoint: weakref.ref[LSHSavepoint] | None = None  # the latest, while alive
         # built on the meta device (myelin.init_empty): shapes only until reset_parameters
         self._unbuilt = self.weight.is_meta
         if not self._unbuilt:
@@ -141,6 +145,7 @@ class LSHSoftmax(SeededModule):
     @torch.no_grad()
     def _build(self) -> None:
         """Hash every class into the tables; no class has moved since."""
+        self._keep_tables()
         self.tables.build(self.weight)
         self.moved.zero_()
 
@@ -219,6 +224,7 @@ class LSHSoftmax(SeededModule):
         step = int(self.steps)
         if c.redraw_every is not None and step % c.redraw_every == 0:
             self.draws += 1
+            self._keep_tables()
             self.hasher.redraw(int(self.draws))
             self.stats["redraws"] += 1
             self.rebuild()
@@ -235,6 +241,49 @@ class LSHSoftmax(SeededModule):
         if change >= c.rebuild_threshold:
             self.rebuild()
 
+    # -- a failed step, forgotten -----------------------------------------------------
+
+    def savepoint(self) -> LSHSavepoint:
+        """What a training step changes in the layer besides its weights, so that
+        `restore` can put it back when the step fails before its update (myelin.retry):
+        the step counter, hash redraws, the classes marked moved, both random generators,
+        `stats` and `active`. Cheap: a copy of `moved` (one byte a class) and two
+        generator states; the tables and hash functions are copied only if the step
+        rebuilds or redraws them, and only while the savepoint is alive."""
+        saved = LSHSavepoint(self)
+        self._savepoint = weakref.ref(saved)
+        return saved
+
+    @torch.no_grad()
+    def restore(self, saved: LSHSavepoint) -> None:
+        """The layer's state as at `saved` (taken by this layer's `savepoint`); the weights
+        are not touched (a step that failed before its update did not change them)."""
+        if saved.layer is not self:
+            raise ConfigError("restore: the savepoint was taken of another LSHSoftmax layer")
+        if saved.tables is not None:  # the step rebuilt or redrew: the tables as they were
+            for live, value in saved.tables:
+                live.copy_(value)
+        self.steps.copy_(saved.steps)
+        self.draws.copy_(saved.draws)
+        self.moved.copy_(saved.moved)
+        self._gen.set_state(saved.gen)
+        self.tables._gen.set_state(saved.table_gen)
+        self.stats = dict(saved.stats)
+        self.active = saved.active
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As nn.Module's, less the savepoint reference (a weakref does not pickle)."""
+        return {**self.__dict__, "_savepoint": None}
+
+    def _keep_tables(self) -> None:
+        """Before a rebuild or redraw overwrites them: a copy of the tables and hash
+        functions for the live savepoint, if there is one and it has none yet."""
+        saved = self._savepoint() if self._savepoint is not None else None
+        if saved is not None and saved.tables is None:
+            saved.tables = [
+                (b, b.clone()) for m in (self.tables, self.hasher) for b in m.buffers(recurse=False)
+            ]
+
     # -- inference -----------------------------------------------------------------
 
     @torch.no_grad()
@@ -245,6 +294,12 @@ class LSHSoftmax(SeededModule):
         mode = self.config.inference if inference is None else inference
         if mode not in INFERENCE:
             raise ConfigError(f"inference={mode!r} must be one of {INFERENCE}")
+        if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != self.in_features:
+            got = tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
+            raise ConfigError(
+                f"LSHSoftmax: input {got} must be (B, {self.in_features}): in_features="
+                f"{self.in_features}, the width of the hidden activations it was built for"
+            )
         x = h.to(self.weight.dtype)  # as training: retrieval hashes h, the matmul takes x
         if mode == "exact":
             return F.linear(x, self.weight, self.bias)
@@ -265,6 +320,19 @@ class LSHSoftmax(SeededModule):
         """(B, k) the top-k classes of each row (a row with fewer LSH candidates than k
         gets arbitrary ids for the rest, with -inf logits)."""
         return torch.topk(self.logits(h, inference), k, dim=1).indices
+
+
+class LSHSavepoint:
+    """An `LSHSoftmax`'s state before a step (see `LSHSoftmax.savepoint`)."""
+
+    def __init__(self, layer: LSHSoftmax) -> None:
+        self.layer = layer
+        self.steps, self.draws = layer.steps.clone(), layer.draws.clone()
+        self.moved = layer.moved.clone()
+        self.gen, self.table_gen = layer._gen.get_state(), layer.tables._gen.get_state()
+        self.stats, self.active = dict(layer.stats), layer.active
+        # (buffer, its value) of the tables and hash functions: copied on the first rebuild
+        self.tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,9 @@ __all__ = ["LazyAdam"]
 
 
 class LazyAdam(torch.optim.Optimizer):
-    """Row-wise lazy Adam; see the module docstring. torch Adam's weight_decay and amsgrad
-    are refused with a ConfigError (their defaults, 0 and False, are accepted)."""
+    """Row-wise lazy Adam; see the module docstring. torch Adam's weight_decay, amsgrad
+    and maximize are refused with a ConfigError, in the constructor and in a param group
+    alike (their defaults, 0, False and False, are accepted). lr may be 0, as torch's."""
 
     def __init__(
         self,
@@ -36,17 +37,27 @@ class LazyAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
+        *,
+        maximize: bool = False,
     ) -> None:
-        _refuse_unsupported(weight_decay, amsgrad)
+        _refuse_unsupported(weight_decay, amsgrad, maximize)
         defaults = {"lr": lr, "betas": betas, "eps": eps}
         _check_settings(defaults)
         super().__init__(params, {**defaults, "betas": tuple(betas)})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, and check the group's own lr, betas and eps (a group may set them)."""
+        """As torch's, and check the group's own lr, betas and eps (a group may set them)
+        and refuse weight_decay, amsgrad and maximize in it, before the group is added."""
+        if isinstance(param_group, dict):  # torch's own check names anything else
+            merged = {**self.defaults, **param_group}
+            _refuse_unsupported(
+                merged.get("weight_decay", 0.0),
+                merged.get("amsgrad", False),
+                merged.get("maximize", False),
+            )
+            _check_settings(merged)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_settings(group)
         group["betas"] = tuple(group["betas"])
 
     @torch.no_grad()
@@ -123,9 +134,9 @@ def _as_rows(p: torch.Tensor) -> torch.Tensor:
         return p.reshape(shape)
 
 
-def _refuse_unsupported(weight_decay: float, amsgrad: bool) -> None:
-    """torch Adam's weight_decay and amsgrad, which LazyAdam lacks: a clear refusal, not
-    a TypeError or a silent dense-Adam mismatch."""
+def _refuse_unsupported(weight_decay: float, amsgrad: bool, maximize: bool) -> None:
+    """torch Adam's weight_decay, amsgrad and maximize, which LazyAdam lacks: a clear
+    refusal, not a TypeError or a silent dense-Adam mismatch."""
     if weight_decay:
         raise ConfigError(
             f"LazyAdam: weight_decay={weight_decay!r} is not supported: decay would reach "
@@ -137,13 +148,19 @@ def _refuse_unsupported(weight_decay: float, amsgrad: bool) -> None:
             f"LazyAdam: amsgrad={amsgrad!r} is not supported (it keeps no running maximum "
             "of the second moment); use torch.optim.Adam(amsgrad=True) for dense parameters"
         )
+    if maximize:
+        raise ConfigError(
+            f"LazyAdam: maximize={maximize!r} is not supported (it always descends); "
+            "minimise the negated objective instead"
+        )
 
 
 def _check_settings(group: dict[str, Any]) -> None:
-    """lr > 0, two betas in [0, 1) and eps > 0, for the defaults and for each group."""
+    """lr >= 0 (0, as torch's Adam allows, steps nothing: a warmup start, a frozen group),
+    two betas in [0, 1) and eps > 0, for the defaults and for each group."""
     lr, betas, eps = group["lr"], group["betas"], group["eps"]
-    if not (_is_number(lr) and lr > 0):
-        raise ConfigError(f"lr={lr!r} must be a number > 0")
+    if not (_is_number(lr) and lr >= 0):
+        raise ConfigError(f"lr={lr!r} must be a number >= 0")
     if not (
         isinstance(betas, (tuple, list))
         and len(betas) == 2

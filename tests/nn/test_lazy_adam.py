@@ -59,7 +59,7 @@ def test_torch_adams_weight_decay_and_amsgrad_are_refused_naming_them(setting, n
 @pytest.mark.parametrize(
     ("group", "match"),
     [
-        ({"lr": 0.0}, "lr="),
+        ({"lr": -0.1}, "lr="),
         ({"lr": "0.1"}, "lr="),
         ({"betas": (0.9, 1.0)}, "betas="),
         ({"betas": (0.9,)}, "betas="),
