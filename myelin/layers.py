@@ -24,3 +24,9 @@ class StageModule(nn.Sequential):
             out = layer(*args)
             args = out if isinstance(out, tuple) else (out,)
         return args[0] if len(args) == 1 else args
+
+    def stream_layers(self) -> list[tuple[int, nn.Module]]:
+        """(index in the whole model, module) pairs whose forward starts that layer's random
+        stream (runtime/rng.py): each layer itself; a stage that runs its layers' modules
+        some other way names those modules instead, several under one index if need be."""
+        return [(self.first_layer + i, layer) for i, layer in enumerate(self)]

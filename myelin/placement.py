@@ -145,7 +145,7 @@ def layer_modules(module: nn.Module) -> list[tuple[int, nn.Module]] | None:
     one-stage model that runs its own forward: its `pipeline_layers()`, the layers a split
     would run (so its dropout draws what a split model's would), else None."""
     if isinstance(module, StageModule):
-        return [(module.first_layer + i, layer) for i, layer in enumerate(module)]
+        return module.stream_layers()
     if hasattr(module, "pipeline_layers"):
         return list(enumerate(layers_of(module)))
     return None

@@ -214,6 +214,17 @@ class HFStage(StageModule):
         """The whole HuggingFace model whose forward this stage runs."""
         return self.whole.model
 
+    def stream_layers(self) -> list[tuple[int, nn.Module]]:
+        """The blocks, and in place of the embeddings' and head's `Ends` (never called: the
+        model's forward runs their modules) those modules, so each draws from its layer's
+        stream. The code a later stage runs before its first block (dropout on the zeros
+        standing in for the embeddings) draws from a scratch stream, not its block's."""
+        out = []
+        for i, layer in enumerate(self):
+            parts = list(layer.children()) if isinstance(layer, Ends) else [layer]
+            out += [(self.first_layer + i, part) for part in parts]
+        return out
+
     def _swap(self, model: nn.Module, path: str, stand_in: nn.Module) -> None:
         parent, _, name = path.rpartition(".")
         self._swaps.append((model.get_submodule(parent), name, stand_in))

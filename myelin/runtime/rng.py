@@ -8,8 +8,10 @@ device's); the script's own state is put back after every forward, so it advance
 the script's own draws, alike on every rank (a DataLoader that shuffles with it shuffles
 alike on every stage of a replica). A one-stage model that runs its own forward draws from
 its `pipeline_layers()`' streams as a split one would, or, without them, from one stream,
-"model". Streams are saved in checkpoints by layer, so they move with their layers to any
-other split.
+"model". What a stage draws before its first layer starts (a HuggingFace stage's model code
+before its first block) comes from a scratch stream of the stage, "lead", so it moves no
+layer's stream. Streams are saved in checkpoints by layer ("lead" is not), so they move
+with their layers to any other split.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 __all__ = ["LayerStreams", "stream_seed"]
 
 MODEL = "model"  # the key of the one stream of a model that runs its own forward
+LEAD = "lead"  # what a stage draws before its first layer starts: never checkpointed
 
 
 def stream_seed(seed: int, key: int | str, replica: int, salt: str = "") -> int:
@@ -36,8 +39,12 @@ def stream_seed(seed: int, key: int | str, replica: int, salt: str = "") -> int:
 class LayerStreams:
     """The streams of the layers one stage runs; `scope()` around each forward.
 
-    layers: (global index, module) of each layer this stage runs in order, or None when the
-    stage runs a whole model's own forward (one stream).
+    layers: (global index, module) of each layer this stage runs in order (several modules
+    may start one index's stream), or None when the stage runs a whole model's own forward
+    (one stream). Until the first of those modules runs, a forward draws from a stream of
+    the stage's own (LEAD): a HuggingFace stage runs its model's code before its first block
+    (dropout on stand-in zeros), which must not move that block's stream. LEAD is kept
+    through a retry's mark and rewind but not in checkpoints (nothing it draws is kept).
     """
 
     def __init__(
@@ -50,8 +57,10 @@ class LayerStreams:
         self.seed = seed
         self.replica = replica
         self.cuda = device if device.type == "cuda" else None
-        self.keys: list[int | str] = [i for i, _ in layers] if layers is not None else [MODEL]
-        self._states = {k: self._fresh(k) for k in self.keys}
+        keys = [i for i, _ in layers] if layers is not None else [MODEL]
+        self.keys: list[int | str] = list(dict.fromkeys(keys))  # in order, each once
+        self._first: int | str = LEAD if layers is not None else MODEL
+        self._states = {k: self._fresh(k) for k in [*self.keys, self._first]}
         self._current: int | str | None = None
         self._hooks = []
         for key, module in layers or ():
@@ -93,13 +102,14 @@ class LayerStreams:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Run a forward on the layers' streams (the first layer's until the next layer
-        starts); the script's own generator state comes back afterwards."""
+        """Run a forward on the layers' streams (LEAD until the first layer starts, each
+        layer's from its start to the next's); the script's own generator state comes back
+        afterwards."""
         user = {"cpu": torch.get_rng_state()}
         if self.cuda is not None:
             user["cuda"] = torch.cuda.get_rng_state(self.cuda)
-        self._load(self.keys[0])
-        self._current = self.keys[0]
+        self._load(self._first)
+        self._current = self._first
         try:
             yield
         finally:
@@ -123,7 +133,7 @@ class LayerStreams:
         """Each stream's generator state, by layer index (or "model")."""
         return {
             "replica": self.replica,
-            "streams": {str(k): dict(s) for k, s in self._states.items()},
+            "streams": {str(k): dict(s) for k, s in self._states.items() if k != LEAD},
         }
 
     def load_state_dict(self, streams: dict[str, dict[str, torch.Tensor]], steps: int) -> list[str]:

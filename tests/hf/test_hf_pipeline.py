@@ -86,6 +86,25 @@ def test_four_stages_of_every_family_match_plain_hf(tmp_path):
     _check(job, FOUR, 4)
 
 
+@pytest.mark.slow  # 29 s; test_hf_stage runs the same streams at 1, 2, 3, 6 stages in-process
+def test_gpt2_with_dropout_trains_alike_at_one_and_three_stages(tmp_path):
+    """Every dropout of GPT-2 at 0.2: the losses and final weights at three stages equal one
+    stage's bit for bit (each layer draws from its own stream; a later stage's embedding
+    dropout on stand-in zeros draws from none of them)."""
+    runs = {}
+    for stages in (1, 3):
+        case = f"gpt2:{stages}:dropout"
+        out = tmp_path / str(stages)
+        out.mkdir()
+        job = launch(stages, "hf_pipeline.py", [case], out, timeout=180, env=_env(out))
+        assert job.returncode == 0, job.output[-5000:]
+        runs[stages] = job.results[0][case]
+        assert all(r[case]["losses"] == runs[stages]["losses"] for r in job.results.values())
+    assert runs[3]["losses"] == runs[1]["losses"]
+    assert runs[3]["weights"] == runs[1]["weights"]
+    # that dropout draws at all: test_hf_stage's test of the same model at 1, 2, 3, 6 stages
+
+
 def _env(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()

@@ -241,3 +241,36 @@ def test_a_meta_model_materialises_each_stage_and_its_rotary_tables():
         myelin.init.materialize(module, meta, list(module), module.first_layer)
         out = module(*(out if isinstance(out, tuple) else (out,)))
     assert torch.equal(out, eager(input_ids=ids, attention_mask=mask).logits)
+
+
+def _dropout_logits(model, stages, ids):
+    """The logits of one forward of `model` split into `stages` HF stages, each run on its
+    own layers' random streams, as a pipeline's ranks run them."""
+    from myelin.placement import layer_modules
+    from myelin.runtime.rng import LayerStreams
+
+    args = (ids,)
+    for s in range(stages):
+        stage = stage_module(model, stages, s)
+        streams = LayerStreams(1234, 0, layer_modules(stage), torch.device("cpu"))
+        with streams.scope():
+            out = stage(*args)
+        streams.close()
+        args = out if isinstance(out, tuple) else (out,)
+    return args[0]
+
+
+def test_dropout_in_an_hf_model_draws_the_same_masks_at_every_split():
+    """GPT-2's embedding dropout runs on every stage's forward (on zeros where a later
+    stage stands in for the embeddings); it must not advance the stream of that stage's
+    first block, so every block draws the masks it draws in one process."""
+    cfg = tf.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
+                        embd_pdrop=0.3, resid_pdrop=0.3, attn_pdrop=0.3)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(0, 64, (2, 8))
+    one = _dropout_logits(model, 1, ids)
+    assert not torch.equal(one, model.eval()(ids).logits)  # dropout did draw
+    model.train()
+    for stages in (2, 3, 6):
+        assert torch.equal(_dropout_logits(model, stages, ids), one), stages

@@ -53,8 +53,11 @@ FAMILIES = {
 TIED = {"llama_tied", "gemma", "gpt2", "opt"}
 
 
-def config(family: str) -> tf.PretrainedConfig:
+def config(family: str, dropout: float = 0.0) -> tf.PretrainedConfig:
+    """The family's tiny config; `dropout` (GPT-2 only) sets each of its dropouts."""
     config_class, _, extra = FAMILIES[family]
+    if dropout and family != "gpt2":
+        raise ValueError(f"dropout= is built for gpt2 only, not {family}")
     if family == "opt":  # its own names; projections in and out of a narrower embedding
         return config_class(
             vocab_size=VOCAB,
@@ -77,9 +80,9 @@ def config(family: str) -> tf.PretrainedConfig:
             n_embd=32,
             n_layer=4,
             n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -89,10 +92,10 @@ def config(family: str) -> tf.PretrainedConfig:
     return config_class(**fields, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
-def build(family: str) -> torch.nn.Module:
+def build(family: str, dropout: float = 0.0) -> torch.nn.Module:
     """The family's tiny model, the same weights every time."""
     torch.manual_seed(0)
-    return FAMILIES[family][1](config(family))
+    return FAMILIES[family][1](config(family, dropout))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
