@@ -209,10 +209,22 @@ class DasoReplicas(Strategy):
         """Average the gradients inside the node (when the schedule says so); the loss is
         this replica's own (the plateau rule averages the epoch's over every replica)."""
         if self._sched().local_sync and self.local_group is not None and params:
+            unused = [p for p in params if p.grad is None]
+            for i, p in enumerate(params):
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ConfigError(
+                        f"DASO: parameter {i} of this stage {tuple(p.shape)} has a sparse "
+                        "gradient (an LSHSoftmax's rows, an nn.Embedding(sparse=True)), which "
+                        "the node's gradient average cannot sum: use node_size=1 or "
+                        "sync=myelin.EASGD(...)"
+                    )
             flat = torch.cat([_grad(p).reshape(-1) for p in params])
             self.comm.all_reduce(flat, self.local_group, "local")
             flat.div_(self.g)
             unflatten(flat, [p.grad for p in params])
+            for p in unused:  # unused on every rank of the node: the optimizer skips it
+                if not p.grad.any():
+                    p.grad = None
         self._loss = loss
         return loss
 
@@ -236,7 +248,8 @@ class DasoReplicas(Strategy):
         """The sender group packs its parameters and starts the chunked average."""
         if ev.group != self.local_index or not self.params:
             return
-        dtype = self.downcast if ev.blocking else torch.float32
+        # one node averages with itself: nothing to gain from a cast that only rounds
+        dtype = self.downcast if ev.blocking and self.nodes > 1 else torch.float32
         flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in self.params])
         if torch.isnan(flat).any():
             raise MyelinError(f"DASO: NaN in the parameters sent at send {ev.id}")

@@ -168,6 +168,7 @@ class Hogbatch:
         resume: dict[str, Any] | None = None,
         on_epoch: Any = None,
         eval_every_s: float | None = None,
+        max_seconds: float | None = None,
     ) -> dict[str, Any]:
         """Train `model` on `data` (inputs, targets) for `epochs`; the run's report.
 
@@ -179,8 +180,10 @@ class Hogbatch:
         budget); if it returns True the run stops there (steps in flight still land).
         `eval_every_s`: also evaluate a copy every so many seconds, off the training path too
         (report `evals_timed`: wall seconds, epochs' worth of samples, loss), so time to a
-        loss is read finer than once an epoch. Workers are spawned: a script calling this
-        needs `if __name__ == "__main__":`."""
+        loss is read finer than once an epoch. `max_seconds`: stop that long after the
+        workers are ready, mid-epoch if need be (checked at every update; the updates in
+        flight land, and `state` resumes the unfinished epoch). Workers are spawned: a
+        script calling this needs `if __name__ == "__main__":`."""
         from myelin.replicas.hogbatch_run import Run  # the runner imports these settings
 
         trained = [p for p in model.parameters() if p.requires_grad]
@@ -194,13 +197,12 @@ class Hogbatch:
             self.check_resume(resume, sum(p.numel() for p in trained), data[0].shape[0])
         if eval_data is not None:
             eval_data = dataset_of(eval_data, "Hogbatch.fit(eval_data=...)")
-        if eval_every_s is not None and (not _number(eval_every_s) or eval_every_s <= 0):
-            raise ConfigError(
-                f"Hogbatch.fit(eval_every_s={eval_every_s!r}): must be None or a number > 0"
-            )
+        for name, value in (("eval_every_s", eval_every_s), ("max_seconds", max_seconds)):
+            if value is not None and (not _number(value) or value <= 0):
+                raise ConfigError(f"Hogbatch.fit({name}={value!r}): must be None or a number > 0")
         live = Run(self, model, loss_fn, data, lr=lr, weight_decay=wd, epochs=epochs,
                    eval_data=eval_data, resume=resume, eval_every_s=eval_every_s)  # fmt: skip
-        return live.train(on_epoch)
+        return live.train(on_epoch, max_seconds)
 
     def check_resume(
         self, resume: Any, weights: int, samples: int, where: str = "Hogbatch.fit(resume=...)"

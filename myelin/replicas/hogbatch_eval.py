@@ -36,6 +36,10 @@ class Evaluator:
         """The loss of `weights` (a private copy), waited for: fit's eval_first."""
         return self.pool.submit(self._loss, weights).result()
 
+    def loss(self, weights: torch.Tensor) -> float:
+        """The loss of `weights` now, in the caller's thread (after `close`, too)."""
+        return self._loss(weights)
+
     def _loss(self, weights: torch.Tensor) -> float:
         load_flat(self.params, weights)
         with torch.no_grad():

@@ -110,12 +110,14 @@ class Run:
         self.evaluator = Evaluator(eval_model, loss_fn, eval_data or self.data,
                                     params_of(eval_model))  # fmt: skip
 
-    def train(self, on_epoch: Any = None) -> dict[str, Any]:
-        """Start the workers, train every epoch, stop them; the model given holds the
-        shared weights after; the report (with `evals`, `evals_timed` and `state`)."""
+    def train(self, on_epoch: Any = None, max_seconds: float | None = None) -> dict[str, Any]:
+        """Start the workers, train every epoch (or for `max_seconds` from when the workers
+        are ready: the batches in flight land, the epoch stays unfinished), stop them; the
+        model given holds the shared weights after; the report (with `evals`,
+        `evals_timed` and `state`)."""
         try:
             self.runner.start(self.ctx, self.job, self.data)
-            self.runner.drive(self.evaluator, on_epoch)
+            self.runner.drive(self.evaluator, on_epoch, max_seconds)
             self.runner.stop(self.evaluator)
             self.runner.tell(on_epoch)  # epochs the batches in flight completed
         finally:
@@ -199,9 +201,13 @@ class _Run:
             self.alive.add(w)
         self.t0 = time.perf_counter()
 
-    def drive(self, evaluator: Evaluator, on_epoch: Any = None) -> None:
-        """Hand out ranges until every epoch is done; evaluate each completed epoch (and a
-        copy every `eval_every_s` seconds)."""
+    def drive(
+        self, evaluator: Evaluator, on_epoch: Any = None, max_seconds: float | None = None
+    ) -> None:
+        """Hand out ranges until every epoch is done or `max_seconds` have passed since the
+        workers were ready; evaluate each completed epoch (and a copy every `eval_every_s`
+        seconds)."""
+        deadline = self.t0 + max_seconds if max_seconds is not None else None
         self.batches.append((0.0, self.ctl.batch))
         self._assign()
         heard = time.monotonic()  # when a worker last answered
@@ -213,17 +219,22 @@ class _Run:
             timeout = self.cfg.timeout_s - (time.monotonic() - heard)
             if next_eval is not None:
                 timeout = min(timeout, next_eval - (time.perf_counter() - self.t0))
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.perf_counter())
             ready = wait(watch, timeout=max(timeout, 0))
+            late = deadline is not None and time.perf_counter() >= deadline
             if next_eval is not None and time.perf_counter() - self.t0 >= next_eval:
                 wall = time.perf_counter() - self.t0
                 evaluator.submit_timed(self._seen(), wall, self.snapshot())
                 next_eval = (math.floor(wall / self.eval_every_s) + 1) * self.eval_every_s
             if not ready:
+                if late:
+                    break  # out of time: what is in flight still lands (stop)
                 if time.monotonic() - heard < self.cfg.timeout_s:
                     continue  # woken for a copy on the clock
-                late = {w: [str(r) for r in q] for w, q in self.busy.items() if q}
+                busy = {w: [str(r) for r in q] for w, q in self.busy.items() if q}
                 raise DeadlineError(
-                    f"Hogbatch: no worker answered for {self.cfg.timeout_s}s; busy: {late}"
+                    f"Hogbatch: no worker answered for {self.cfg.timeout_s}s; busy: {busy}"
                 )
             heard = time.monotonic()
             for w in sorted(self.alive):
@@ -240,8 +251,8 @@ class _Run:
                 self.procs[w].join(5)
                 self._lost(w, evaluator)
             self._assign()
-            if self.tell(on_epoch):
-                break  # the caller asked to stop after this epoch; work in flight still lands
+            if self.tell(on_epoch) or late:
+                break  # asked to stop after this epoch, or out of time; work in flight lands
         self.wall_s = time.perf_counter() - self.t0
 
     def tell(self, on_epoch: Any) -> bool:
@@ -381,6 +392,7 @@ class _Run:
         wall = self.wall_s or (time.perf_counter() - self.t0)
         return {
             **counters(self.stats, wall),
+            "epochs_seen": self._seen(),
             "device_batch": self.batches,
             "settings": {
                 "adaptive": self.cfg.adaptive,

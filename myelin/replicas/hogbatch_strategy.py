@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
 from myelin.replicas.flat import flatten
+from myelin.replicas.hogbatch_dispatch import progress_done
 from myelin.replicas.hogbatch_run import Run, counters
 from myelin.replicas.hogbatch_store import load_flat
 
@@ -166,7 +167,7 @@ class HogbatchStrategy(Strategy):
             if path is not None and every is not None and (epoch + 1) % every == 0:
                 _save(trainer, path, hooks)
                 saved.append(trainer.steps_done)
-            return max_seconds is not None and wall_s >= max_seconds
+            return False
 
         for hook in hooks:
             hook.on_fit_start(trainer, first, None)
@@ -177,7 +178,8 @@ class HogbatchStrategy(Strategy):
                 hook.on_log(trainer, history[-1])
         try:
             try:
-                self.report = live.train(on_epoch)
+                # max_seconds counts from the workers' start, and is checked at every update
+                self.report = live.train(on_epoch, max_seconds)
             except BaseException:
                 # what the workers did before the failure stays the trainer's, consistently
                 # (weights, steps, progress): a retried fit or a save continues from there
@@ -186,6 +188,14 @@ class HogbatchStrategy(Strategy):
                 raise
             self._take(self.report["state"], trainer, first)
             log()
+            if not progress_done(self.progress):  # out of time mid-epoch: where it stopped
+                row = {"step": trainer.steps_done, "wall_s": self.report["wall_s"],
+                       "epochs": self.report["epochs_seen"],
+                       key: live.evaluator.loss(self.report["state"]["weights"]),
+                       "device_batch": self.device_batch}  # fmt: skip
+                history.append(row)
+                for hook in hooks:
+                    hook.on_log(trainer, row)
             if history:
                 history[-1]["hogbatch"] = self.stats()  # the run's summary on its last row
             self._profile(live)

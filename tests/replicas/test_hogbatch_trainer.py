@@ -323,12 +323,13 @@ def test_a_resumed_run_checks_the_checkpoint_against_its_data_and_settings(tmp_p
     adaptive = myelin.Hogbatch(cpu_workers=0, device_batch=(8, 64), adaptive=True, budget=0.5,
                                lock=True, timeout_s=100)  # fmt: skip
     with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=adaptive) as t:
-        # stopped by the time limit at epoch 0's end, while epoch 1 had begun
+        # stopped by the time limit at once: the ranges in flight land, epoch 0 unfinished
         t.fit(data, epochs=3, max_seconds=1e-9)
         t.save(tmp_path / "ck")
         state = t.replicas.state_dict()
     assert state["progress"]["samples"] == 600
-    assert state["epoch"] == 1 and state["progress"]["epoch"] == 1  # epoch 1 begun
+    assert state["epoch"] == 0 and state["progress"]["epoch"] == 0
+    assert 0 < state["progress"]["cursor"] < 600  # mid-epoch
     small = (data[0][:100], data[1][:100])
     with myelin.Trainer(problem(n=600)[0], SGD, torch.nn.MSELoss(), sync=adaptive,
                         resume=tmp_path / "ck") as t:  # fmt: skip
@@ -347,3 +348,23 @@ def test_a_resumed_run_checks_the_checkpoint_against_its_data_and_settings(tmp_p
                         resume=tmp_path / "ck") as t:  # fmt: skip
         with pytest.raises(ConfigError, match=r"outside device_batch=\(100, 200\)"):
             t.fit(data, epochs=1)
+
+
+def test_max_seconds_stops_mid_epoch_and_the_next_fit_finishes_that_epoch():
+    """fit(max_seconds=) is checked at every update, not only as an epoch completes: an
+    epoch of 32 updates of 50 ms stops after about 0.5 s with a row of where it stopped,
+    and the next fit trains each sample left exactly once."""
+    model, data, _ = problem()
+    hog = myelin.Hogbatch(cpu_workers=0, device_batch=(16, 16), adaptive=False, lock=True,
+                          emulate=((0.05, 0.0), (0.0, 0.0)), timeout_s=100)  # fmt: skip
+    with myelin.Trainer(model, SGD, torch.nn.MSELoss(), sync=hog) as trainer:
+        rows = trainer.fit(data, epochs=5, max_seconds=0.5)
+        (row,) = rows
+        assert "epoch" not in row and 0 < row["epochs"] < 1 and row["wall_s"] < 1.5
+        assert row["loss"] == pytest.approx(trainer.evaluate([data]), rel=1e-6)
+        assert 0 < trainer.steps_done < 32
+        rows = trainer.fit(data, epochs=1)
+        assert [r["epoch"] for r in rows] == [0] and trainer.steps_done == 32  # 512 / 16
+    with pytest.raises(ConfigError, match="max_seconds"):
+        hog.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), data,
+                max_seconds=0)  # fmt: skip

@@ -119,15 +119,29 @@ def test_measgd_momentum_needs_the_local_sgd_update(optimizer, got):
     adam.close()
 
 
-def test_daso_saves_before_any_plan_and_plans_uneven_loaders_by_the_shortest(tmp_path):
-    job = launch(2, "replicas.py", ["daso_edges"], tmp_path, timeout=180)
-    assert job.returncode == 0, job.output
-    got = [job.results[r]["daso_edges"] for r in (0, 1)]
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """One 2-rank job: DASO at its edges, and with a parameter left without a gradient."""
+    cases = ["daso_edges", "daso_unused"]
+    job = launch(2, "replicas.py", cases, tmp_path_factory.mktemp("two"), timeout=240)
+    assert job.returncode == 0, job.output[-4000:]
+    return job.results
+
+
+def test_daso_saves_before_any_plan_and_plans_uneven_loaders_by_the_shortest(two):
+    got = [two[r]["daso_edges"] for r in (0, 1)]
     assert [g["sends_before"] for g in got] == [0, 0]  # stats before the epoch length is known
     # the ranks' loaders hold 4 and 6 batches: both plan DASO's epochs on the 4 they share
     assert [(g["steps"], g["epoch_steps"]) for g in got] == [(8, 4), (8, 4)]
     assert got[0]["params"] == got[1]["params"]  # the last epoch ends on a blocking average
     assert all("keeps the epoch length it planned (4 steps)" in g["second_fit"][0] for g in got)
+
+
+def test_daso_leaves_a_parameter_without_a_gradient_alone_and_refuses_sparse_ones(two):
+    for r in (0, 1):
+        got = two[r]["daso_unused"]
+        assert got["moved"] == {"daso": 0.0, "allreduce": 0.0}  # no weight decay without grad
+        assert "sparse gradient" in got["sparse_error"] and "node_size=1" in got["sparse_error"]
 
 
 @pytest.mark.parametrize("wait,nodes", [(0, 2), (1, 2), (3, 4), (2, 1)])

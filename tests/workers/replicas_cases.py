@@ -92,7 +92,7 @@ def daso_without_epoch_length():
     try:
         t.step(*batch(t.replica, 0))
         error = None
-    except myelin.ConfigError as exc:
+    except myelin.MyelinError as exc:  # its own ConfigError, or a peer's that reached it first
         error = str(exc)
     before = t.steps_done
     t.fit([batch(t.replica, s) for s in range(2)], epochs=1, progress=False)
@@ -306,3 +306,49 @@ def case_tied_all(out):
         res[name] = tied_copies(t, steps=6)
         t.close()
     return res
+
+
+class _WithUnused(torch.nn.Module):
+    """A model holding a layer its forward never calls (an auxiliary head off this phase)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def case_daso_unused(out):
+    """2 ranks as one node of two: DASO averages the node's gradients every step, AdamW with
+    weight decay. A parameter without a gradient is left alone, as AllReduce and plain
+    PyTorch leave it (one node: the blocking averages round nothing to bf16); a sparse
+    gradient is a ConfigError."""
+    rank = int(os.environ["RANK"])
+    moved = {}
+    for name, sync in (("daso", myelin.DASO(node_size=2, epoch_steps=10)),
+                       ("allreduce", myelin.AllReduce())):  # fmt: skip
+        torch.manual_seed(0)
+        model = _WithUnused()
+        before = model.unused.weight.detach().clone()
+        opt = functools.partial(torch.optim.AdamW, lr=0.1, weight_decay=0.5)
+        t = myelin.Trainer(torch.nn.Sequential(model), opt, torch.nn.functional.mse_loss,
+                           data_parallel=2, sync=sync, timeout=60)  # fmt: skip
+        for s in range(3):
+            t.step(*batch(rank, s))
+        moved[name] = float((t.module[0].unused.weight.detach() - before).abs().max())
+        t.close()
+    torch.manual_seed(0)
+    sparse = torch.nn.Sequential(
+        torch.nn.Embedding(10, 3, sparse=True), torch.nn.Flatten(), torch.nn.Linear(6, 2)
+    )
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    t = myelin.Trainer(sparse, opt, torch.nn.functional.cross_entropy, data_parallel=2,
+                       sync=myelin.DASO(node_size=2, epoch_steps=10), timeout=60)  # fmt: skip
+    try:
+        t.step(torch.randint(0, 10, (4, 2)), torch.randint(0, 2, (4,)))
+        error = None
+    except myelin.MyelinError as exc:  # its own ConfigError, or a peer's that reached it first
+        error = str(exc)
+    t.close()
+    return {"moved": moved, "sparse_error": error}
