@@ -111,6 +111,7 @@ def save(
         manifest = {
             "format": FORMAT,
             "steps_done": trainer.steps_done,
+            "seconds_trained": trainer.seconds_trained,  # read without a shard (train.py)
             "stages": world.layout.stages,
             "data_parallel": world.layout.data_parallel,
             "layers": [list(r) if r is not None else None for r in trainer.stage_layers],
@@ -350,6 +351,13 @@ def steps_saved(path: str | os.PathLike) -> int:
     """The training steps the newest complete version under `path` holds (its manifest
     only: nothing else is read)."""
     return int(_read_manifest(latest_version(path))["steps_done"])
+
+
+def seconds_saved(path: str | os.PathLike) -> float | None:
+    """fit's training time the newest complete version under `path` holds (its manifest
+    only); None for a checkpoint saved before manifests carried it."""
+    seconds = _read_manifest(latest_version(path)).get("seconds_trained")
+    return float(seconds) if isinstance(seconds, int | float) else None
 
 
 def _read_manifest(vdir: Path) -> dict[str, Any]:

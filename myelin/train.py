@@ -113,16 +113,30 @@ def _make_out(cfg: TrainConfig) -> None:
 
 
 def _complete(cfg: TrainConfig) -> bool:
-    """Whether the run to resume already holds all its steps (said without starting ranks;
-    a missing or broken checkpoint is left for the ranks to report)."""
+    """Whether the run to resume already holds all its steps or used all its time (said
+    without starting ranks; a missing or broken checkpoint is left for the ranks)."""
+    saved = Path(cfg.resume) / "checkpoint"
     try:
-        done = checkpoint.steps_saved(Path(cfg.resume) / "checkpoint")
+        done, seconds = checkpoint.steps_saved(saved), checkpoint.seconds_saved(saved)
     except (checkpoint.CheckpointError, KeyError, ValueError):
         return False
-    if done < cfg.steps:
-        return False
-    _say(f"{cfg.resume}: already complete at step {done} of {cfg.steps}: nothing to do")
-    return True
+    why = _nothing_left(cfg, done, seconds or 0.0)
+    if why is not None:
+        _say(f"{cfg.resume}: {why}")
+    return why is not None
+
+
+def _nothing_left(cfg: TrainConfig, done: int, seconds: float) -> str | None:
+    """Why a run resumed at step `done` after `seconds` of training has nothing to do (its
+    steps done, or its max_minutes used: a longer --steps or --max-minutes goes on)."""
+    if done >= cfg.steps:
+        return f"already complete at step {done} of {cfg.steps}: nothing to do"
+    if seconds >= cfg.max_minutes * 60:
+        return (
+            f"already complete: max_minutes={cfg.max_minutes:g} used at step {done} of "
+            f"{cfg.steps}; nothing to do (give a larger --max-minutes to go on)"
+        )
+    return None
 
 
 # -- one rank's run ------------------------------------------------------------------
@@ -153,13 +167,14 @@ def train(cfg: TrainConfig) -> None:
         run_dir = _agree_run_dir(cfg, trainer)
         trainer.flight_dir = run_dir / "flight"  # where a failing rank leaves its record
         cfg = dataclasses.replace(cfg, out=str(run_dir))
+        why = _nothing_left(cfg, trainer.steps_done, trainer.seconds_trained)
+        if why is not None:  # resumed after its last step or its time: leave it as it is
+            if trainer.rank == 0:
+                _say(why)
+            return
         if trainer.rank == 0:
             (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
             _say(_header(cfg, model, data, run_dir))
-        if trainer.steps_done >= cfg.steps:  # resumed after its last step: leave it as it is
-            if trainer.rank == 0:
-                _say(f"already complete at step {trainer.steps_done} of {cfg.steps}: nothing to do")
-            return
         run_log = RunLog(run_dir, leader=trainer.rank == 0, resumed_at=trainer.steps_done)
         try:
             _train_steps(cfg, trainer, data, run_log)

@@ -167,11 +167,14 @@ def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
     assert "myelin train: GPT" not in out  # said by the launcher: no rank was started
     assert (out_dir / "profile" / "summary.json").read_bytes() == summary
     assert [json.loads(line) for line in metrics.read_text().splitlines()] == again
-    # given more steps but a time budget its checkpoint has used up: it trains no further
+    # given more steps but a time budget its checkpoint has used up: complete as well, said
+    # by the launcher, its results left as they are
     argv = [f"--resume={out_dir}", "--steps=30", "--max-minutes=0.001", "--sample-tokens=0"]
     code, out, err = run_train(argv, tmp_path)
     assert code == 0, err[-5000:]
-    assert "stopped at step 14 of 30: max_minutes=0.001 used" in out, out
+    assert "already complete: max_minutes=0.001 used at step 14 of 30" in out, out
+    assert "myelin train: GPT" not in out
+    assert (out_dir / "profile" / "summary.json").read_bytes() == summary
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1] == 14
 
 

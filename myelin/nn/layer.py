@@ -163,8 +163,11 @@ class LSHSoftmax(SeededModule):
         self, h: torch.Tensor, labels: torch.Tensor | None = None, *, inference: str | None = None
     ) -> torch.Tensor:
         """Training with labels: the active-set loss. Training without labels: h itself,
-        for `loss_fn=self.loss`. Eval: logits (B, num_classes), exact or LSH-only."""
+        for `loss_fn=self.loss`. Eval: logits (B, num_classes), exact or LSH-only (no
+        gradient: inference), or with labels the exact loss, as training's call gives one."""
         if not self.training:
+            if labels is not None:
+                return self.loss(self.logits(h, "exact"), labels)
             return self.logits(h, inference)
         if labels is None:
             return h
@@ -177,7 +180,7 @@ class LSHSoftmax(SeededModule):
         self._check_output(output)
         labels = _as_label_matrix(labels, output.shape[0], self.num_classes)
         if not self.training:
-            return soft_target_loss(output, labels)
+            return self._eval_loss(output, labels)
         self._maybe_rebuild()
         c = self.config
         retrieved, _ = self._retrieve(output.detach())
@@ -194,7 +197,20 @@ class LSHSoftmax(SeededModule):
         w, b = sparse_rows(active, self.weight, self.bias)
         logits = torch.addmm(b, output.to(w.dtype), w.t())  # (B, A), in the layer's dtype
         pos = torch.where(labels >= 0, where[labels.clamp(min=0)], labels)
-        return soft_target_loss(logits, pos)
+        return _soft_target(logits, pos)
+
+    def _eval_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The exact soft-target loss of eval logits; LSH-only ones (a label's class not
+        retrieved is at -inf, the loss infinite) are refused, saying what to do instead."""
+        at = logits.gather(1, labels.clamp(min=0))
+        if bool((torch.isneginf(at) & (labels >= 0)).any()):
+            raise ConfigError(
+                "LSHSoftmax.loss in eval takes exact logits, but these are LSH-only "
+                "(inference='lsh'): a label the tables did not retrieve has logit -inf and "
+                "the loss would be infinite. Evaluate with inference='exact' (the default) "
+                "and ask for LSH predictions with head.predict(h, k, inference='lsh')"
+            )
+        return _soft_target(logits, labels)
 
     def _check_output(self, output: torch.Tensor) -> None:
         """`loss` takes what forward returns: h (B, in_features) in training, logits in eval."""
@@ -319,6 +335,8 @@ class LSHSoftmax(SeededModule):
     def predict(self, h: torch.Tensor, k: int = 1, inference: str | None = None) -> torch.Tensor:
         """(B, k) the top-k classes of each row (a row with fewer LSH candidates than k
         gets arbitrary ids for the rest, with -inf logits)."""
+        if type(k) is not int or not 1 <= k <= self.num_classes:
+            raise ConfigError(f"predict: k={k!r} must be an int in [1, {self.num_classes}]")
         return torch.topk(self.logits(h, inference), k, dim=1).indices
 
 
@@ -336,13 +354,23 @@ class LSHSavepoint:
 
 
 def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of -sum over a row's labels (column ids, -1 padding) of log softmax
-    / the row's label count: SLIDE's multi-label target 1/|Y|. Rows without labels add 0.
-    In fp32 or wider: bf16 and fp16 logits are raised to fp32, float64 ones kept."""
+    """Mean over rows of -sum over a row's labels of log softmax / the row's label count:
+    SLIDE's multi-label target 1/|Y|. `labels`: (B,) or (B, M) class ids, -1 padding, a
+    label repeated in a row counted once (checked: a ConfigError names what is wrong).
+    Rows without labels add 0; no rows give 0. In fp32 or wider: bf16 and fp16 logits are
+    raised to fp32, float64 ones kept."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ConfigError(f"soft_target_loss: logits {got} must be (B, num_classes)")
+    return _soft_target(logits, _as_label_matrix(labels, logits.shape[0], logits.shape[1]))
+
+
+def _soft_target(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """soft_target_loss on labels already checked: (B, M) int64, -1 padding, no repeats."""
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), 1)
     valid = labels >= 0
-    if logp.shape[1] == 0 and not valid.any():  # no class (an empty active set): all padding
-        return logp.sum(1).mean()  # 0, and a gradient of zeros
+    if logp.shape[0] == 0 or logp.shape[1] == 0 and not valid.any():  # nothing to score
+        return logp.sum()  # 0, and a gradient of zeros (no rows, or an empty active set)
     # a pad gathers class 0, whose log p may be -inf (LSH inference): masked, not * 0 (nan)
     picked = logp.gather(1, labels.clamp(min=0)).masked_fill(~valid, 0.0)
     count = valid.sum(1).clamp(min=1)

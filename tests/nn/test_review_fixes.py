@@ -15,7 +15,7 @@ from torch import nn
 
 import myelin
 from myelin import ConfigError
-from myelin.nn import LazyAdam, LSHSoftmax, XCConfig, make_xc
+from myelin.nn import LazyAdam, LSHSoftmax, XCConfig, make_xc, soft_target_loss
 from myelin.nn.xc_data import MAX_EXTRA, _oracle_p1
 
 IN, C = 32, 300
@@ -244,3 +244,41 @@ def test_a_topic_smaller_than_the_extra_labels_asked_gives_each_of_its_labels_on
     for i in range(len(data.train)):
         row = data.train.labels[starts[i] : ends[i]]
         assert row.unique().numel() == row.numel() <= int(mates[i]) + 1
+
+
+def _head(**settings) -> LSHSoftmax:
+    torch.manual_seed(0)
+    return LSHSoftmax(16, 50, bits=4, tables=4, min_active=10, seed=3, **settings)
+
+
+def test_eval_with_labels_is_the_exact_loss_and_lsh_logits_are_refused_by_the_loss():
+    head = _head()
+    h, y = torch.randn(6, 16), torch.randint(50, (6,))
+    dense = h @ head.weight.detach().t() + head.bias.detach()
+    head.eval()
+    assert torch.allclose(head(h, y), soft_target_loss(dense, y))  # as training's call: a loss
+    lsh = _head(inference="lsh").eval()
+    logits = lsh(h)
+    missed = torch.isneginf(logits.gather(1, y[:, None])).any()
+    assert missed  # the tables of 4 bits x 4 miss some label at this size
+    with pytest.raises(ConfigError, match="inference='exact'"):
+        lsh.loss(logits, y)
+    assert torch.isfinite(lsh(h, y))  # eval with labels: exact logits, whatever `inference`
+
+
+def test_edges_of_the_loss_and_predict_are_named_not_nan_or_torch_errors():
+    head = _head()
+    empty = head.loss(torch.randn(0, 16), torch.zeros(0, dtype=torch.long))
+    assert empty.item() == 0.0
+    empty.backward()  # a gradient of zeros, not nan
+    with pytest.raises(ConfigError, match=r"k=51 must be an int in \[1, 50\]"):
+        head.predict(torch.randn(2, 16), 51)
+    logits = torch.randn(3, 5)
+    one = soft_target_loss(logits, torch.tensor([1, 4, 0]))
+    assert torch.equal(one, soft_target_loss(logits, torch.tensor([[1], [4], [0]])))
+    twice = soft_target_loss(logits, torch.tensor([[1, 1], [4, -1], [0, 0]]))
+    assert torch.equal(twice, one)  # a label repeated in a row counts once
+    with pytest.raises(ConfigError, match="num_classes=5"):
+        soft_target_loss(logits, torch.tensor([1, 5, 0]))
+    with pytest.raises(ConfigError, match="-1 pads a row"):
+        soft_target_loss(logits, torch.tensor([1, -3, 0]))
