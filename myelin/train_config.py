@@ -154,6 +154,13 @@ class TrainConfig:
             raise ConfigError("prompt='' must hold at least one character")
         parse_bytes(self.device_memory_limit, "device_memory_limit")
         parse_bytes(self.host_memory_limit, "host_memory_limit")  # named as the option is
+        if self.host_memory_limit is not None and "off" == self.offload_activations == (
+            self.offload_optimizer
+        ):
+            raise ConfigError(
+                f"host_memory_limit={self.host_memory_limit!r} caps the host pool that "
+                "offload uses, but offload_activations and offload_optimizer are both off"
+            )
         self.offload()  # checks the rest of the offload settings
 
     def offload(self) -> OffloadConfig:
@@ -304,8 +311,36 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"resume={values['resume']!r}: cannot read {saved}: {exc}") from None
         base = {k: v for k, v in base.items() if k in FIELDS}
+        _check_resumed(values, base, saved)
         values = {**base, **values, "out": values["resume"]}
     return TrainConfig(**values)
+
+
+# what a checkpoint fixes: the model it holds and the data its batches were drawn from
+FIXED_ON_RESUME = ("seed", "max_bytes", "val_fraction")
+
+
+def _check_resumed(given: dict[str, Any], base: dict[str, Any], saved: Path) -> None:
+    """--resume continues a run as it was built: a model or data option given that differs
+    from its config.json, or an --out elsewhere, is said before any rank starts."""
+    out = given.get("out")
+    if out is not None and Path(out).resolve() != Path(given["resume"]).resolve():
+        raise ConfigError(
+            f"out={out!r} with resume={given['resume']!r}: a resumed run continues in its "
+            "own directory; leave --out out (or copy the run directory first)"
+        )
+    fixed = [n for n, f in FIELDS.items() if f.metadata["group"] == "model"]
+    changed = [
+        f"{n}={given[n]!r} (it was {base[n]!r})"
+        for n in [*fixed, *FIXED_ON_RESUME]
+        if n in given and n in base and given[n] != base[n]
+    ]
+    if changed:
+        raise ConfigError(
+            f"resume={given['resume']!r} continues the run as {saved} built it, but "
+            f"{', '.join(changed)}: the model and its data cannot change on resume (steps, "
+            "time, logging, the pipeline layout, memory and sampling options can)"
+        )
 
 
 def to_argv(cfg: TrainConfig) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -130,6 +131,27 @@ def test_a_short_run_learns_and_writes_its_run_directory(tmp_path):
     assert memory[0]["activations_offloaded_total_bytes"] > 0
     assert all(m["optimizer_mode"] == "host" and m["optimizer_host_bytes"] > 0 for m in memory)
     assert "memory (rank 0): device peak" in out
+
+
+def test_resume_refuses_a_changed_model_or_data_and_another_out(tmp_path):
+    """--resume continues a run as it was built: a model or data option that differs from
+    its config.json, or --out elsewhere, is a ConfigError naming it; time, steps, layout
+    and logging options may change."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = config_from_args(parse(*QUICK, f"--out={run_dir}"))
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(saved)))
+    with pytest.raises(ConfigError, match=r"n_layer=3 \(it was 2\).*cannot change on resume"):
+        config_from_args(parse(f"--resume={run_dir}", "--n-layer=3"))
+    with pytest.raises(ConfigError, match=r"seed=5 \(it was 0\)"):
+        config_from_args(parse(f"--resume={run_dir}", "--seed=5"))
+    with pytest.raises(ConfigError, match="continues in its own directory"):
+        config_from_args(parse(f"--resume={run_dir}", f"--out={tmp_path / 'elsewhere'}"))
+    cfg = config_from_args(parse(f"--resume={run_dir}", "--steps=50", "--stages=1",
+                                 "--n-layer=2", f"--out={run_dir}"))  # fmt: skip
+    assert (cfg.steps, cfg.stages, cfg.n_layer, cfg.out) == (50, 1, 2, str(run_dir))
+    with pytest.raises(ConfigError, match="both off"):
+        TrainConfig(offload_activations="off", offload_optimizer="off", host_memory_limit="1GiB")
 
 
 def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
