@@ -302,10 +302,10 @@ class LSHSoftmax(SeededModule):
 
     # -- inference -----------------------------------------------------------------
 
-    @torch.no_grad()
     def logits(self, h: torch.Tensor, inference: str | None = None) -> torch.Tensor:
-        """(B, num_classes) logits: all of them ("exact"), or only each row's retrieved
-        classes with -inf elsewhere ("lsh")."""
+        """(B, num_classes) logits: all of them ("exact", with a gradient as nn.Linear's
+        would have: fine-tuning in eval mode works), or only each row's retrieved classes
+        with -inf elsewhere ("lsh", no gradient: retrieval is not differentiable)."""
         self._check_built()
         mode = self.config.inference if inference is None else inference
         if mode not in INFERENCE:
@@ -319,6 +319,10 @@ class LSHSoftmax(SeededModule):
         x = h.to(self.weight.dtype)  # as training: retrieval hashes h, the matmul takes x
         if mode == "exact":
             return F.linear(x, self.weight, self.bias)
+        return self._lsh_logits(h, x)
+
+    @torch.no_grad()
+    def _lsh_logits(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ids, row = self._retrieve(h)
         active = torch.unique(ids)
         where = torch.full((self.num_classes,), -1, dtype=torch.long, device=h.device)

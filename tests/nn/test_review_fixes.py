@@ -282,3 +282,14 @@ def test_edges_of_the_loss_and_predict_are_named_not_nan_or_torch_errors():
         soft_target_loss(logits, torch.tensor([1, 5, 0]))
     with pytest.raises(ConfigError, match="-1 pads a row"):
         soft_target_loss(logits, torch.tensor([1, -3, 0]))
+
+
+def test_exact_eval_logits_have_the_gradient_of_a_dense_layer():
+    head = _head().eval()
+    dense = nn.Linear(16, 50)
+    dense.load_state_dict({"weight": head.weight.detach(), "bias": head.bias.detach()})
+    h, y = torch.randn(4, 16), torch.randint(50, (4,))
+    torch.nn.functional.cross_entropy(head(h), y).backward()
+    torch.nn.functional.cross_entropy(dense(h), y).backward()
+    assert torch.equal(head.weight.grad, dense.weight.grad)
+    assert not _head(inference="lsh").eval()(h).requires_grad
