@@ -288,10 +288,19 @@ def check_optimizer(optimizer: Any, params: Any = None) -> tuple[float, float]:
 
 def check_loss_fn(loss_fn: Any) -> None:
     """The workers are spawned processes, which receive the loss function by reference (its
-    module and name): a lambda or a function defined inside another cannot go."""
-    fn = loss_fn
+    module and name): a lambda or a function defined inside another cannot go. A torch
+    loss (or a partial of one) that sums over its batch is refused: every update is its
+    batch's mean gradient, and the evaluation weighs each chunk's loss by its size."""
+    fn, reduction = loss_fn, getattr(loss_fn, "reduction", "mean")
     while isinstance(fn, functools.partial):
+        reduction = fn.keywords.get("reduction", reduction)
         fn = fn.func
+    if reduction not in ("mean", "batchmean"):
+        raise ConfigError(
+            f"Hogbatch: loss_fn reduces with reduction={reduction!r}: Hogbatch needs a loss "
+            "that is the mean over its batch (reduction='mean'), since the device's large "
+            "batches and the CPU's small ones must take steps of one scale"
+        )
     fn = getattr(fn, "__func__", fn)  # a bound method: its function
     name = getattr(fn, "__qualname__", "") if inspect.isfunction(fn) else ""
     if "<lambda>" in name or "<locals>" in name:

@@ -9,6 +9,7 @@ has `timeout_s`, and every test bounds its own run too.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -89,6 +90,20 @@ def test_a_model_with_running_statistics_is_refused_naming_the_module():
     myelin.Hogbatch(cpu_workers=0, device_batch=(8, 8), adaptive=False).fit(
         model, torch.optim.SGD(model.parameters(), lr=0.1), loss, data, epochs=1
     )
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        torch.nn.MSELoss(reduction="sum"),
+        functools.partial(torch.nn.functional.mse_loss, reduction="none"),
+    ],
+)
+def test_a_loss_that_is_not_its_batchs_mean_is_refused(loss):
+    model, data, _ = problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="reduction='(sum|none)'.*mean over its batch"):
+        myelin.Hogbatch(cpu_workers=0).fit(model, opt, loss, data)
 
 
 def test_a_float64_model_is_said_to_train_as_fp32(caplog):
