@@ -62,9 +62,14 @@ class LayerStreams:
         self._first: int | str = LEAD if layers is not None else MODEL
         self._states = {k: self._fresh(k) for k in [*self.keys, self._first]}
         self._current: int | str | None = None
-        self._hooks = []
+        self._calls: dict[int, int] = {}  # a module's calls in this forward, by id
+        keys_of: dict[int, tuple[nn.Module, list[int | str]]] = {}
         for key, module in layers or ():
-            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(key)))
+            keys_of.setdefault(id(module), (module, []))[1].append(key)
+        self._hooks = [
+            module.register_forward_pre_hook(self._pre_hook(keys))
+            for module, keys in keys_of.values()
+        ]
 
     def _fresh(self, key: int | str, salt: str = "") -> dict[str, torch.Tensor]:
         seed = stream_seed(self.seed, key, self.replica, salt)
@@ -73,10 +78,15 @@ class LayerStreams:
             state["cuda"] = torch.Generator(self.cuda).manual_seed(seed).get_state()
         return state
 
-    def _pre_hook(self, key: int | str) -> Any:
+    def _pre_hook(self, keys: list[int | str]) -> Any:
+        """One hook a module: a module at several positions (a block reused) starts the
+        stream of its n-th position at its n-th call in a forward."""
+
         def hook(module: nn.Module, args: Any) -> None:
             if self._current is not None:
-                self._switch(key)
+                n = self._calls.get(id(module), 0)
+                self._calls[id(module)] = n + 1
+                self._switch(keys[min(n, len(keys) - 1)])
 
         return hook
 
@@ -110,6 +120,7 @@ class LayerStreams:
             user["cuda"] = torch.cuda.get_rng_state(self.cuda)
         self._load(self._first)
         self._current = self._first
+        self._calls.clear()
         try:
             yield
         finally:

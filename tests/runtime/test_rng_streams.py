@@ -55,3 +55,21 @@ def test_several_modules_start_one_layers_stream_which_is_kept_once():
     with streams.scope():
         assert torch.equal(first(x), c)
     streams.close(), alone.close()
+
+
+def test_a_module_at_two_positions_draws_from_each_positions_stream():
+    """A block reused at positions 1 and 3 draws from stream 1 at its first call and stream 3
+    at its second, as it does when the two positions sit on different stages."""
+    a, b = _Drop(), _Drop()
+    x = torch.ones(64)
+    whole = LayerStreams(7, 0, [(0, a), (1, b), (3, b)], torch.device("cpu"))
+    with whole.scope():
+        a(x)
+        got = [b(x), b(x)]
+    whole.close()
+    for key, out in zip((1, 3), got, strict=True):
+        alone = LayerStreams(7, 0, [(key, b)], torch.device("cpu"))
+        with alone.scope():
+            assert torch.equal(b(x), out), key
+        alone.close()
+    assert not torch.equal(got[0], got[1])
