@@ -73,6 +73,7 @@ class Inbox:
         self.liveness = liveness  # heartbeats: a rank's own view of a lost peer comes first
         self._warn = Throttled(log)
         self.step = 0
+        self.evaluating = False  # the step under way is an evaluation
         self.early: list[Message] = []
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}  # by microbatch, for forwards
         # for backwards: output gradients, their positions, and the step's losses on the
@@ -83,9 +84,17 @@ class Inbox:
         self.pieces: dict[int, dict[int, tuple[list[int], list[torch.Tensor]]]] = {}
         self._arrived: set[tuple[str, int]] = set()
 
-    def begin(self, step: int, ready: Ready, inputs: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """Start `step` with stage 0's local `inputs`, and take what came for it early."""
+    def begin(
+        self,
+        step: int,
+        ready: Ready,
+        inputs: dict[int, tuple[torch.Tensor, ...]],
+        evaluating: bool = False,
+    ) -> None:
+        """Start `step` (a training step, or an evaluation) with stage 0's local `inputs`,
+        and take what came for it early."""
         self.step = step
+        self.evaluating = evaluating
         self.inputs = inputs
         self.grads = {}
         self.rows = {}
@@ -209,6 +218,8 @@ class Inbox:
             self.reject(msg, f"duplicate {what} for microbatch {mb}")
             return False
         if msg.kind == "activation":
+            if bool(msg.meta.get("eval", False)) != self.evaluating:
+                raise _mixed_steps(msg, self.evaluating, self.world.rank)
             self._arrived.add(("activation", mb))
             self.inputs[mb] = tuple(msg.tensors)
             ready.forward.add(mb)
@@ -322,3 +333,14 @@ class Inbox:
             msg.microbatch,
             reason,
         )
+
+
+def _mixed_steps(msg: Message, evaluating: bool, rank: int) -> MyelinError:
+    """A peer ran the other kind of step under this step's number: the script called
+    `step` on one rank where another called `eval_step` or `evaluate` (SPMD broken).
+    Said at once, before a training forward runs on evaluation inputs."""
+    theirs, mine = ("trains", "evaluates") if evaluating else ("evaluates", "trains")
+    return MyelinError(
+        f"rank {msg.src} {theirs} step {msg.step} while rank {rank} {mine} it: every rank "
+        "must call step(), eval_step() and evaluate() alike, in the same order"
+    )

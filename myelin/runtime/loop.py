@@ -194,7 +194,7 @@ class EventLoop:
         stage = self.stage
         ready, local = self._begin(step, inputs, targets, rows)
         self._eval_losses: dict[int, float] = {}
-        self.inbox.begin(step, ready, local)  # takes what came early for this step
+        self.inbox.begin(step, ready, local, evaluating=True)  # takes what came early
         try:
             self._drive(ready, self._forward_only)
             if stage.is_last:
@@ -364,7 +364,8 @@ class EventLoop:
         if stage.is_last:
             self._eval_losses[mb] = out
         else:
-            self.outbox.send(self._step, stage.index + 1, "activation", mb, list(out), {})
+            meta = {"eval": True}  # a peer training this step refuses it (inbox)
+            self.outbox.send(self._step, stage.index + 1, "activation", mb, list(out), meta)
 
     def _update(self, step: int) -> None:
         """The optimizer step; on a GPU with the update on the host, the device idles."""

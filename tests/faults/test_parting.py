@@ -211,6 +211,19 @@ def test_uneven_step_counts_end_the_job_naming_the_steps(tmp_path):
     )
 
 
+def test_a_rank_that_evaluates_where_its_peer_trains_is_told_at_once(tmp_path):
+    """eval_step on rank 0 where rank 1 calls step: rank 1 refuses the evaluation's
+    activations (before a training forward runs on them) and both fail within the bound."""
+    job, victim, ended = run(tmp_path, "mixed-steps")
+    assert job.returncode != 0, job.output[-3000:]
+    mine, peer = job.results[1], job.results[0]
+    words = "rank 0 evaluates step 1 while rank 1 trains it: every rank must call step()"
+    assert mine["error_type"] == "MyelinError" and words in mine["error"], mine
+    assert peer["error_type"] == "RemoteError" and words in peer["error"], peer
+    assert mine["unchanged"] and peer["unchanged"]  # nothing trained on the eval batch
+    assert mine["time"] - victim["time"] < RAISE_S and peer["time"] - victim["time"] < RAISE_S
+
+
 @pytest.mark.slow
 def test_uneven_evaluations_end_the_job_naming_the_steps(tmp_path):
     job, victim, ended = run(tmp_path, "uneven-eval")

@@ -23,6 +23,7 @@ and writes exit{r}.json if it lived through it.
 Uneven runs (rank 1 closes its trainer; it writes the time to victim.json):
   uneven-steps  rank 0 calls trainer.step 3 times, rank 1 twice
   uneven-eval   both train 2 steps; rank 0 calls eval_step twice, rank 1 once
+  mixed-steps   both train a step; then rank 0 calls eval_step where rank 1 calls step
   uneven-fit    stages=1 x data_parallel=2: fit over loaders of 5 and 3 batches stops
                 both at 3 (uneven="shortest"); uneven="raise" raises before a step; then
                 generators (no len) of 5 and 3 batches: rank 0 is told rank 1 left.
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 import myelin
 
 PLACES = ["close", "gather", "checkpoint", "state_dict", "barrier", "user", "with"]
-UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit"]
+UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit", "mixed-steps"]
 RESUME = ["bad-resume"]
 VICTIM = int(os.environ.get("WORLD_SIZE", 2)) - 1
 
@@ -118,6 +119,24 @@ def place(args, rank, record):
         time.sleep(30)
     record["finished_place"] = True
     time.sleep(30)  # rank 0 must not end by itself: the error has to come from the place
+
+
+def mixed_steps(args, rank, record):
+    """Rank 0 evaluates the second batch where rank 1 trains on it: both fail at once, and
+    rank 1's stage is not trained on rank 0's evaluation activations."""
+    with build(args.out, profile=False) as trainer:
+        trainer.step(*batch(0))
+        before = [p.detach().clone() for p in trainer.module.parameters()]
+        if rank == VICTIM:
+            write(args.out, "victim.json", {"time": time.time()})
+        try:
+            if rank == 0:
+                trainer.eval_step(*batch(1))
+            else:
+                trainer.step(*batch(1))
+        finally:
+            after = list(trainer.module.parameters())
+            record["unchanged"] = all(torch.equal(a, b) for a, b in zip(after, before))
 
 
 def uneven_steps(args, rank, record):
@@ -205,6 +224,8 @@ def main():
             uneven_fit(args, rank, record)
         elif args.mode == "bad-resume":
             bad_resume(args, rank, record)
+        elif args.mode == "mixed-steps":
+            mixed_steps(args, rank, record)
         else:
             uneven_steps(args, rank, record)
     except BaseException as exc:
