@@ -349,33 +349,44 @@ class _Run:
         self.disp.lose(w)
 
     def stop(self, evaluator: Evaluator) -> None:
-        """Ask every live worker to stop (it writes its record first) and wait for it. The
-        batches in flight land (an epoch they complete is evaluated); a worker that dies
-        meanwhile is lost as in training (`on_worker_loss`), its ranges left to do."""
+        """Ask every live worker to stop (it writes its record first) and wait for them all
+        at once. The batches in flight land (an epoch they complete is evaluated); a worker
+        that dies meanwhile is lost as in training (`on_worker_loss`), its ranges left to do,
+        and the lock it may hold is freed at once (the others would wait on it)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         for w in sorted(self.alive):
             try:
                 self.conns[w].send_bytes(pack({"op": "stop"}))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # it died: found below
+        pending = set(self.alive)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready = wait([self.conns[w] for w in pending]
+                         + [self.procs[w].sentinel for w in pending], left)  # fmt: skip
+            for w in sorted(pending):
+                if self._drain(w, evaluator):
+                    pending.discard(w)
+                elif self.procs[w].sentinel in ready:
+                    pending.discard(w)
+                    self.procs[w].join(5)
+                    self._lost(w, evaluator)  # died before saying it stopped
         for w in sorted(self.alive):
-            conn, stopped = self.conns[w], False
-            try:
-                while wait([conn, self.procs[w].sentinel], max(deadline - time.monotonic(), 0)):
-                    if not conn.poll():
-                        break  # it exited
-                    msg = unpack(conn.recv_bytes())
-                    if msg["op"] != "done":
-                        self._check(w, msg, "stopped")
-                        stopped = True
-                        break
-                    # a batch in flight when the run was cut short: its update is in the weights
-                    self._finish(w, self._record(w, msg), evaluator)
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                pass  # its pipe closed: it died
             self.procs[w].join(max(deadline - time.monotonic(), 0))
-            if not stopped and self.procs[w].exitcode is not None:
-                self._lost(w, evaluator)  # died before saying it stopped
+
+    def _drain(self, w: int, evaluator: Evaluator) -> bool:
+        """Read what worker `w` sent while stopping; whether it said it stopped."""
+        conn = self.conns[w]
+        try:
+            while conn.poll():
+                msg = unpack(conn.recv_bytes())
+                if msg["op"] != "done":
+                    self._check(w, msg, "stopped")
+                    return True
+                # a batch in flight when the run was cut short: its update is in the weights
+                self._finish(w, self._record(w, msg), evaluator)
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            pass  # its pipe closed: it died (its sentinel says so)
+        return False
 
     def kill(self) -> None:
         """Kill whatever still runs and close the pipes (safe after stop)."""

@@ -541,6 +541,40 @@ def test_a_worker_that_dies_while_the_run_stops_is_lost_as_in_training(policy):
     assert rep["state"]["epoch"] >= 1 and progress["samples"] == 600
 
 
+@pytest.mark.parametrize("policy", ["reassign", "raise"])
+def test_a_worker_that_dies_holding_the_lock_as_the_run_stops_frees_it_at_once(policy, monkeypatch):
+    """Worker 1 dies holding the shared model's lock while the run stops: the runner frees it
+    as soon as that worker is found dead, so worker 0 stops too; it waited on the lock until
+    its own timeout and the run failed naming worker 0 (the lock is taken here, for worker
+    1, so that it surely holds it)."""
+    from myelin.replicas import hogbatch_run
+
+    stores = []
+    create = hogbatch_run.SharedModel.create
+    monkeypatch.setattr(hogbatch_run.SharedModel, "create",
+                        lambda *a, **k: stores.append(create(*a, **k)) or stores[-1])  # fmt: skip
+    model, data, _ = problem(n=600)
+
+    def on_epoch(epoch, wall_s):
+        (store,) = stores
+        assert store.lock.acquire(timeout=10)
+        store.owner[0] = 1  # worker 1 holds it...
+        _kill("hogbatch-cpu1", {})  # ...and dies
+        return True
+
+    cfg = myelin.Hogbatch(cpu_workers=2, cpu_batch=3, device_batch=(16, 32), lock=True,
+                          on_worker_loss=policy, timeout_s=20)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    t0 = time.monotonic()
+    if policy == "raise":
+        with pytest.raises(PeerLostError, match="worker 1 died"):
+            cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=3, on_epoch=on_epoch)
+    else:
+        rep = cfg.fit(model, opt, torch.nn.MSELoss(), data, epochs=3, on_epoch=on_epoch)
+        assert torch.equal(rep["state"]["weights"], flat(model))
+    assert time.monotonic() - t0 < 15  # not the lock's 20 s timeout
+
+
 def test_an_epoch_the_batches_in_flight_complete_is_evaluated_and_told():
     """on_epoch stops the run while the next epoch is wholly in flight: that epoch completes
     as the workers stop, and gets its on_epoch call and evaluation like any other."""
