@@ -281,8 +281,8 @@ class Trainer:
     def set_lr_schedule(self, lr_schedule: Callable[[torch.optim.Optimizer], Any]) -> Any:
         """Build `trainer.lr_scheduler = lr_schedule(trainer.optimizer)` (None on a stage with
         nothing to train), replacing any it had. The first one built after resuming from a
-        checkpoint that holds a scheduler continues it, and the optimizer keeps the learning
-        rates the checkpoint left (building a torch scheduler resets them)."""
+        checkpoint that holds a scheduler, before any step, continues it, and the optimizer
+        keeps the learning rates the checkpoint left (building a torch scheduler resets them)."""
         if self.optimizer is None:
             self.lr_scheduler = None
             return None
@@ -354,6 +354,7 @@ class Trainer:
             self.replicas.check_step()  # Hogbatch's workers, not the script, take batches
         where = f"training step {self.steps_done + 1}"
         loss = self._run_batch(inputs, targets, self.loop.run_step, where)
+        self.resumed_scheduler_state = None  # the checkpoint's position is behind us now
         self.steps_done += 1
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         self._steps_here += 1

@@ -236,6 +236,24 @@ def test_a_scheduler_built_after_resuming_continues_from_the_checkpoint(tmp_path
         assert steps(t, data[3:]) == whole[3:]
 
 
+def test_a_scheduler_built_after_steps_past_the_resume_does_not_rewind_to_it(tmp_path):
+    """The checkpoint's scheduler state goes to a scheduler built before the next step only:
+    rebuilt after steps past it (fit(lr_schedule=f) on a trainer that already trained), the
+    schedule starts afresh, as on a trainer never resumed, not back at the checkpoint."""
+    data = batches(6)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, lr_schedule=warmup_cosine) as t:
+        steps(t, data[:2])
+        t.save(tmp_path)
+    runs = []
+    for resume in (tmp_path, None):
+        with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, lr_schedule=warmup_cosine,
+                     resume=resume) as t:  # fmt: skip
+            steps(t, data[2:5])
+            t.set_lr_schedule(warmup_cosine)
+            runs.append(t.lr_scheduler.last_epoch)
+    assert runs == [0, 0]
+
+
 # -- 17.9: a DataLoader's short last batch -----------------------------------------------------
 
 
