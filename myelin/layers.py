@@ -10,7 +10,8 @@ __all__ = ["StageModule"]
 
 
 class StageModule(nn.Sequential):
-    """Layers run in order; a layer that returns a tuple passes it on as separate arguments.
+    """Layers run in order; a layer that returns a tuple passes it on as separate arguments,
+    and the last layer's return value is the stage's, as it returned it.
 
     `first_layer` is the index of its first layer in the whole model.
     """
@@ -20,10 +21,11 @@ class StageModule(nn.Sequential):
         self.first_layer = first_layer
 
     def forward(self, *args):  # noqa: D102
+        out = args[0] if len(args) == 1 else args
         for layer in self:
             out = layer(*args)
             args = out if isinstance(out, tuple) else (out,)
-        return args[0] if len(args) == 1 else args
+        return out  # the last layer's own value: on the last stage, what loss_fn gets
 
     def stream_layers(self) -> list[tuple[int, nn.Module]]:
         """(index in the whole model, module) pairs whose forward starts that layer's random

@@ -3,6 +3,10 @@
 split_batch(x, 4, "inputs")            # a (32, ...) tensor -> 4 tensors of (8, ...)
 split_batch((x, mask), 4, "inputs")    # a tuple -> 4 tuples, split alike
 split_batch([x0, x1, x2, x3], 4, ...)  # per-microbatch entries, shapes may differ
+
+A DataLoader collates a sample's tuple of inputs into a list: `collated` takes such a list,
+beside a tensor of targets, as the tuple it was; `target_sizes` cuts targets flattened over
+tokens (k rows per input row) at the inputs' boundaries when the batch splits unevenly.
 """
 
 from __future__ import annotations
@@ -13,11 +17,65 @@ import torch
 
 from myelin.errors import ConfigError
 
-__all__ = ["split_batch", "uneven_rows"]
+__all__ = ["collated", "split_batch", "target_sizes", "uneven_rows"]
 
 
-def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:
-    """Split a batch along dim 0 into microbatches; a list is taken as microbatches already."""
+def collated(inputs: Any, targets: Any) -> tuple[Any, Any]:
+    """(inputs, targets), a list of equal-row tensors beside a tensor (or tuple) read as the
+    tuple a DataLoader's `default_collate` made of it, not as per-microbatch entries (those
+    come as lists on both sides)."""
+
+    def batch_like(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) or (
+            isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value)
+        )
+
+    def as_tuple(value: Any) -> Any:
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in value)
+            and len({v.shape[0] for v in value}) == 1
+        ):
+            return tuple(value)
+        return value
+
+    if isinstance(inputs, list) and batch_like(targets):
+        return as_tuple(inputs), targets
+    if isinstance(targets, list) and batch_like(inputs):
+        return inputs, as_tuple(targets)
+    return inputs, targets
+
+
+def _rows(batch: Any) -> int | None:
+    """The row count of a tensor or tuple batch (None for a list, None or an empty tuple)."""
+    first = batch[0] if isinstance(batch, tuple) and batch else batch
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else None
+
+
+def target_sizes(inputs: Any, targets: Any, microbatches: int) -> list[int] | None:
+    """Where to cut `targets` when they hold k rows per input row (flattened over tokens)
+    and the batch splits unevenly: at the inputs' boundaries times k, so each microbatch
+    pairs its rows of each (cut alone, their boundaries differ). None when a plain cut
+    pairs them. Other unequal row counts of an uneven batch are a ConfigError."""
+    n, t = _rows(inputs), _rows(targets)
+    if n is None or t is None or n == t or n < microbatches or n % microbatches == 0:
+        return None
+    if t % n:
+        raise ConfigError(
+            f"targets have {t} rows and inputs {n}: split into microbatches={microbatches} "
+            f"unevenly, they cannot be paired (targets need the inputs' rows, or a whole "
+            f"number of rows per input row, as targets flattened over tokens have)"
+        )
+    k = t // n
+    return [r * k for r in uneven_rows(inputs, microbatches)]
+
+
+def split_batch(
+    batch: Any, microbatches: int, what: str, sizes: list[int] | None = None
+) -> list[Any] | None:
+    """Split a batch along dim 0 into microbatches (of `sizes` rows, when given); a list is
+    taken as microbatches already."""
     if batch is None:
         return None
     if isinstance(batch, list):
@@ -48,16 +106,22 @@ def split_batch(batch: Any, microbatches: int, what: str) -> list[Any] | None:
             f"(each needs a row); with a DataLoader whose last batch is short, pass "
             f"drop_last=True, or pass a list of {microbatches} microbatches"
         )
-    chunks = [t.tensor_split(microbatches) for t in tensors]  # sizes differ by one at most
+    if sizes is not None:
+        chunks = [t.split(sizes) for t in tensors]
+    else:
+        chunks = [t.tensor_split(microbatches) for t in tensors]  # sizes differ by one at most
     if isinstance(batch, tuple):
         return [tuple(c[i] for c in chunks) for i in range(microbatches)]
     return list(chunks[0])
 
 
-def uneven_rows(batch: Any, microbatches: int) -> list[int] | None:
+def uneven_rows(batch: Any, microbatches: int, sizes: list[int] | None = None) -> list[int] | None:
     """The row count of each microbatch when `split_batch` cuts `batch` unevenly (a short
-    last batch), so each microbatch's loss counts by its rows; None when it splits evenly
-    or is a list of microbatches already (each counts alike)."""
+    last batch), so each microbatch's loss counts by its rows (`sizes`, when it was cut at
+    those); None when it splits evenly or is a list of microbatches already (each counts
+    alike)."""
+    if sizes is not None:
+        return list(sizes)
     if batch is None or isinstance(batch, list):
         return None
     first = batch[0] if isinstance(batch, tuple) else batch

@@ -27,7 +27,7 @@ from myelin import fit as fit_loop
 from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
 from myelin.failures import Failures
-from myelin.microbatch import split_batch, uneven_rows
+from myelin.microbatch import collated, split_batch, target_sizes, uneven_rows
 from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
 from myelin.offload.pool import parse_bytes
@@ -392,9 +392,11 @@ class Trainer:
         (`where`, e.g. "training step 3") and told to the peers."""
         self._check_usable()
         m = self.config.microbatches
+        inputs, targets = collated(inputs, targets)
+        sizes = target_sizes(inputs, targets, m)
         mb_inputs = split_batch(inputs, m, "inputs")
-        mb_targets = split_batch(targets, m, "targets")
-        rows = uneven_rows(targets if targets is not None else inputs, m)
+        mb_targets = split_batch(targets, m, "targets", sizes)
+        rows = uneven_rows(targets if targets is not None else inputs, m, sizes)
         self._failures.enter(where)
         saved = retry.savepoint(self)  # one rank alone forgets a step its update had not begun
         try:

@@ -399,3 +399,125 @@ def test_batchnorm_keeps_its_exact_fp32_values_under_half_precision(precision):
             assert torch.equal(state[k], v), k
     finally:
         t.close()
+
+
+# -- a last layer's own return value reaches loss_fn ------------------------------------------
+
+
+class _Returns(nn.Module):
+    """mlp() whose last layer returns its logits wrapped as `kind` says."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.body, self.kind = mlp(), kind
+
+    def forward(self, x):
+        logits = self.body(x)
+        if self.kind == "tuple":
+            return (logits,)
+        if self.kind == "dict":
+            return {"logits": logits, "aux": logits.detach().sum()}
+        return [logits, logits.detach()]
+
+
+def _unwrap(out, y):
+    logits = out["logits"] if isinstance(out, dict) else out[0]
+    assert logits.dtype == torch.float32  # the loss is computed in full precision
+    return F.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "list"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loss_fn_gets_the_last_layers_own_return_value(kind, precision):
+    """A last layer returning (logits,), a dict or a list: loss_fn gets that value as in
+    one process (a 1-tuple was unwrapped, so out[0] was the first row; a dict refused)."""
+    torch.manual_seed(0)
+    model = _Returns(kind)
+    data = batches(3)
+    with Trainer(copy.deepcopy(model), ADAMW, _unwrap, microbatches=4, precision=precision) as t:
+        losses = [t.step(x, y) for x, y in data]
+        evals = [t.eval_step(x, y) for x, y in data]
+    if precision == "fp32":
+        want, _, _ = reference.train(model, ADAMW, _unwrap, data, 4)
+        assert losses == want
+    assert all(math.isfinite(v) for v in losses + evals)
+
+
+def test_a_sequential_whose_last_layer_returns_a_tuple_gives_loss_fn_that_tuple():
+    torch.manual_seed(0)
+    model = nn.Sequential(*mlp(), _Wrap())
+    data = batches(2)
+    with Trainer(copy.deepcopy(model), ADAMW, _unwrap, microbatches=4) as t:
+        losses = [t.step(x, y) for x, y in data]
+    want, _, _ = reference.train(model, ADAMW, _unwrap, data, 4)
+    assert losses == want
+
+
+class _Wrap(nn.Module):
+    def forward(self, x):
+        return (x,)
+
+
+# -- targets flattened over tokens; a DataLoader's collated tuple -----------------------------
+
+
+def _tokens(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 10, (n, 5), generator=g), torch.randint(0, 10, (n * 5,), generator=g)
+
+
+def _token_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10), nn.Flatten(0, 1))
+
+
+def test_targets_flattened_over_tokens_pair_with_their_rows_in_a_short_batch():
+    """Inputs (N, T), targets (N*T,), N=7 over 4 microbatches: targets are cut at the inputs'
+    boundaries (each cut alone, 2,2,2,1 rows against 9,9,9,8 tokens, failed in the loss)
+    and each microbatch counts by its tokens, so the step equals one process."""
+    x, y = _tokens(7)
+    model = _token_model()
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with Trainer(copy.deepcopy(model), sgd, F.cross_entropy, microbatches=4) as t:
+        got = t.step(x, y)
+        after = t.state_dict()
+    plain = sgd(model.parameters())
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    plain.step()
+    assert got == pytest.approx(loss.item(), rel=1e-6)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(after[name], value, rtol=1e-6, atol=1e-7)
+
+
+def test_targets_of_another_row_count_in_a_short_batch_are_refused_naming_both():
+    x, _ = _tokens(7)
+    with Trainer(_token_model(), ADAMW, F.cross_entropy, microbatches=4) as t:
+        with pytest.raises(ConfigError, match="targets have 12 rows and inputs 7"):
+            t.step(x, torch.zeros(12, dtype=torch.long))
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 3)
+
+    def forward(self, x, mask):
+        return self.l(x * mask)
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_a_loaders_collated_tuple_of_inputs_is_a_tuple_not_microbatches(microbatches):
+    """A dataset of ((x, mask), y): default_collate makes the inner tuple a list, which was
+    read as per-microbatch entries (a missing argument, or a count mismatch)."""
+    g = torch.Generator().manual_seed(0)
+    ds = [((torch.randn(6, generator=g), torch.ones(6)), i % 3) for i in range(8)]
+    (inputs, y) = next(iter(DataLoader(ds, batch_size=8)))
+    assert isinstance(inputs, list)
+    torch.manual_seed(0)
+    model = _Masked()
+    with Trainer(copy.deepcopy(model), ADAMW, F.cross_entropy, microbatches=microbatches) as t:
+        got = t.eval_step(inputs, y)
+        rows = t.fit(DataLoader(ds, batch_size=8), steps=1, progress=False)
+    want = F.cross_entropy(model(*inputs), y).item()
+    assert got == pytest.approx(want, rel=1e-6) and rows[0]["loss"] == pytest.approx(want, rel=1e-6)

@@ -109,11 +109,12 @@ class Stage:
         )
         recording = self.split.recording(mb) if self.split is not None else contextlib.nullcontext()
         with saving, self._random(), recording:
-            outputs = self._outputs(self._run_module(tuple(_alias(t) for t in inputs)))
+            returned = self._run_module(tuple(_alias(t) for t in inputs))
             if not self.is_last:
+                outputs = self._outputs(returned)
                 self._flights[mb] = _Flight(inputs, outputs)
                 return outputs
-            loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
+            loss = self.loss_fn(_for_loss(returned, self.dtype), _to(target, self.device))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise MyelinError(
                 f"loss_fn must return a scalar tensor, got "
@@ -148,10 +149,10 @@ class Stage:
         """Forward only, keeping nothing for backward: outputs, or the loss on the last stage."""
         inputs = tuple(self._cast(t) if self.is_first else self._move(t) for t in inputs)
         with self._random():
-            outputs = self._outputs(self.module(*inputs))
+            returned = self.module(*inputs)
             if not self.is_last:
-                return outputs
-            loss = self.loss_fn(_output(outputs, self.dtype), _to(target, self.device))
+                return self._outputs(returned)
+            loss = self.loss_fn(_for_loss(returned, self.dtype), _to(target, self.device))
         return float(loss)
 
     def _random(self) -> contextlib.AbstractContextManager:
@@ -321,12 +322,22 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return _Alias.apply(t) if t.requires_grad else t
 
 
-def _output(outputs: tuple[torch.Tensor, ...], dtype: torch.dtype) -> Any:
-    """What the loss function gets: the output (or outputs), in fp32 when training in half
+def _for_loss(value: Any, dtype: torch.dtype) -> Any:
+    """What the loss function gets: the last layer's own return value (a tensor, a tuple,
+    a dict...), as in one process, with floating tensors in fp32 when training in half
     precision, so the loss itself is computed in full precision."""
-    if dtype != torch.float32:
-        outputs = tuple(o.float() if o.is_floating_point() else o for o in outputs)
-    return outputs[0] if len(outputs) == 1 else outputs
+    if dtype == torch.float32:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_for_loss(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_for_loss(v, dtype) for v in value)
+    if isinstance(value, dict):
+        items = {k: _for_loss(v, dtype) for k, v in value.items()}
+        return items if type(value) is dict else type(value)(**items)  # (a ModelOutput)
+    return value
 
 
 def _to(value: Any, device: torch.device) -> Any:
