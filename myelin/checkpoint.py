@@ -102,7 +102,8 @@ def save(
     strategy = getattr(trainer, "replicas", None)
     if strategy is not None:  # the model is what the strategy says it is (EASGD: the center)
         shard["strategy"] = strategy.state_dict()
-        with strategy.model_view():  # by layer key, as `capture` (and `restore`) name them
+        view = getattr(trainer, "model_view", strategy.model_view)  # buffers made equal too
+        with view():  # by layer key, as `capture` (and `restore`) name them
             shard["model"] = reshard.layer_weights(trainer.module)
     shard_file = vdir / f"rank{world.rank}.pt"
     _atomic_write(shard_file, lambda f: torch.save(shard, f))

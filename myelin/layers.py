@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 from torch import nn
 
-__all__ = ["StageModule"]
+__all__ = ["StageModule", "evaluating"]
+
+
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """`module` in eval mode while open; after, each submodule's own mode as it was (a
+    BatchNorm frozen with `.eval()` stays frozen)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(modes[0][1])  # first, so overrides run (an HF stage's whole model)
+        for m, training in modes:
+            m.training = training
 
 
 class StageModule(nn.Sequential):

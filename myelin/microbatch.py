@@ -17,7 +17,7 @@ import torch
 
 from myelin.errors import ConfigError
 
-__all__ = ["collated", "split_batch", "target_sizes", "uneven_rows"]
+__all__ = ["collated", "split_batch", "split_step", "target_sizes", "uneven_rows"]
 
 
 def collated(inputs: Any, targets: Any) -> tuple[Any, Any]:
@@ -69,6 +69,16 @@ def target_sizes(inputs: Any, targets: Any, microbatches: int) -> list[int] | No
         )
     k = t // n
     return [r * k for r in uneven_rows(inputs, microbatches)]
+
+
+def split_step(inputs: Any, targets: Any, microbatches: int) -> tuple[Any, Any, Any]:
+    """A step's (inputs, targets) as microbatches, and each one's rows (None: alike)."""
+    inputs, targets = collated(inputs, targets)
+    sizes = target_sizes(inputs, targets, microbatches)
+    mb_inputs = split_batch(inputs, microbatches, "inputs")
+    mb_targets = split_batch(targets, microbatches, "targets", sizes)
+    rows = uneven_rows(targets if targets is not None else inputs, microbatches, sizes)
+    return mb_inputs, mb_targets, rows
 
 
 def split_batch(

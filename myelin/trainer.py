@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ from myelin import fit as fit_loop
 from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
 from myelin.failures import Failures
-from myelin.microbatch import collated, split_batch, target_sizes, uneven_rows
+from myelin.layers import evaluating
+from myelin.microbatch import split_batch, split_step
 from myelin.offload.config import OffloadConfig, check_precision
 from myelin.offload.memory import build_memory, memory_stats
 from myelin.offload.pool import parse_bytes
@@ -38,6 +39,7 @@ from myelin.profile.nvml import Sampler
 from myelin.profile.report import ProfileReport, finish_profile, gather_report
 from myelin.profile.timeline import Timeline
 from myelin.replicas import Context, choose
+from myelin.replicas.buffers import ReplicaBuffers
 from myelin.runtime.bounded import Waits
 from myelin.runtime.group import Layout, World, check_world_size, init_world
 from myelin.runtime.liveness import Liveness
@@ -252,6 +254,7 @@ class Trainer:
         context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport,
                           self.optimizer, tied)  # fmt: skip
         self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
+        self._buffers = ReplicaBuffers(self.module, world)  # equal when the model is read
         self.loop = EventLoop(
             stage,
             world,
@@ -374,16 +377,8 @@ class Trainer:
         """
         self._check_usable()
         where = f"evaluation step {self.seq - self.steps_done + 1}"
-        modes = [(m, m.training) for m in self.module.modules()]  # a frozen BatchNorm stays so
-        self.module.eval()
-        try:
-            with self.model_view():
-                run = self.loop.run_eval
-                loss = self._run_batch(inputs, targets, run, where)
-        finally:
-            self.module.train(modes[0][1])  # first, so overrides run (an HF stage's whole model)
-            for m, training in modes:
-                m.training = training
+        with evaluating(self.module), self.model_view():
+            loss = self._run_batch(inputs, targets, self.loop.run_eval, where)
         self._failures.leave(self.steps_done, self.seq - self.steps_done)
         return loss
 
@@ -391,12 +386,7 @@ class Trainer:
         """Split a batch into microbatches and `run` it through the loop; a failure is named
         (`where`, e.g. "training step 3") and told to the peers."""
         self._check_usable()
-        m = self.config.microbatches
-        inputs, targets = collated(inputs, targets)
-        sizes = target_sizes(inputs, targets, m)
-        mb_inputs = split_batch(inputs, m, "inputs")
-        mb_targets = split_batch(targets, m, "targets", sizes)
-        rows = uneven_rows(targets if targets is not None else inputs, m, sizes)
+        mb_inputs, mb_targets, rows = split_step(inputs, targets, self.config.microbatches)
         self._failures.enter(where)
         saved = retry.savepoint(self)  # one rank alone forgets a step its update had not begun
         try:
@@ -469,9 +459,14 @@ class Trainer:
         with self._failures.collective("a profile gather"):
             return gather_report(self.timeline, self.world, self.sampler, self._profile)
 
-    def model_view(self) -> contextlib.AbstractContextManager[None]:
-        """While open, this stage's parameters hold what the model is under `sync`."""
-        return self.replicas.model_view() if self.replicas else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def model_view(self) -> Iterator[None]:
+        """While open, this stage's parameters hold what the model is under `sync`, and its
+        buffers replica 0's on every replica (myelin/replicas/buffers.py); every rank must
+        open it, as evaluation, state_dict() and save() do."""
+        view = self.replicas.model_view() if self.replicas else contextlib.nullcontext()
+        with view, self._buffers.equal():
+            yield
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -263,7 +263,12 @@ class _Reduction:
             )
         while len(self.works) < len(self.plan):
             self._launch(self.order[len(self.works)], "after")
-        loss_t = torch.tensor([loss], dtype=torch.float64)
+        # the loss, then per parameter whether this replica had a gradient: one with none
+        # on every replica stays None (the optimizer skips it), as DDP's unused-parameter
+        # rule; a gradient any replica had (zeros included) is everyone's, so weight decay
+        # and momentum move that parameter alike on every replica
+        flagged = list(self.had)
+        loss_t = torch.tensor([loss, *(float(self.had[i]) for i in flagged)], dtype=torch.float64)
         owner = self.owner
         works = [*self.works, (owner.comm.start(loss_t, owner.group, "loss"), None, [])]
         for work, flat, grads in works:
@@ -275,8 +280,7 @@ class _Reduction:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        for i, had in self.had.items():
-            h = self.holders[i]
-            if not had and not h.grad.any():
-                h.grad = None  # unused everywhere: leave it to the optimizer to skip
-        return float(loss_t.item()) / owner.replicas
+        for i, anyone in zip(flagged, loss_t[1:].tolist(), strict=True):
+            if not anyone:
+                self.holders[i].grad = None
+        return float(loss_t[0].item()) / owner.replicas

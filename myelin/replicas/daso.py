@@ -20,7 +20,8 @@ Deliberate differences from Heat, each because myelin must run where Heat cannot
   a pipeline runs DASO per stage, every stage following the same schedule (the loss the
   schedule sees is the same on every stage).
 - Local skipping averages gradients itself instead of toggling DDP's
-  `require_backward_grad_sync`; buffers (batch-norm statistics) are not synchronised.
+  `require_backward_grad_sync`; buffers (batch-norm statistics) are replica 0's when the
+  model is read (replicas/buffers.py), as under every strategy.
 - An epoch is `epoch_steps` steps (fit(epochs=...) sets it from the loader), and the
   plateau rule runs itself at the epoch's end with the mean loss over every replica,
   instead of the user calling `epoch_loss_logic`. As there (one all-reduce of the loss
@@ -46,6 +47,8 @@ import torch.distributed as dist
 from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import DOWNCAST, Collectives, summable
+from myelin.replicas.daso_ops import chunks as heat_chunks
+from myelin.replicas.daso_ops import make_groups, merge_stale
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
 from myelin.replicas.flat import flatten, holding, unflatten
 from myelin.runtime.tied import equalise
@@ -143,7 +146,7 @@ class DasoReplicas(Strategy):
         self.nodes = self.replicas // self.g
         self.local_index = world.replica % self.g
         self.dp_group = world.dp_group
-        self.local_group, self.global_groups = _make_groups(world, self.g)
+        self.local_group, self.global_groups = make_groups(world, self.g)
         self.schedule: DasoSchedule | None = None
         self.pending: dict[int, tuple[list[Any], list[torch.Tensor], int]] = {}
         self.comm = Collectives(getattr(world, "waits", None), ctx.timeline, "daso")
@@ -209,7 +212,7 @@ class DasoReplicas(Strategy):
         """Average the gradients inside the node (when the schedule says so); the loss is
         this replica's own (the plateau rule averages the epoch's over every replica)."""
         if self._sched().local_sync and self.local_group is not None and params:
-            unused = [p for p in params if p.grad is None]
+            had = [float(p.grad is not None) for p in params]
             for i, p in enumerate(params):
                 if p.grad is not None and p.grad.is_sparse:
                     raise ConfigError(
@@ -218,12 +221,17 @@ class DasoReplicas(Strategy):
                         "the node's gradient average cannot sum: use node_size=1 or "
                         "sync=myelin.EASGD(...)"
                     )
-            flat = torch.cat([_grad(p).reshape(-1) for p in params])
+            # the gradients, then whether each replica had one (counts <= node_size are
+            # exact in any float): one with none in the whole node stays None for the
+            # optimizer to skip; one that any replica had is everyone's, zeros included
+            grads = torch.cat([_grad(p).reshape(-1) for p in params])
+            flat = torch.cat([grads, torch.tensor(had, dtype=grads.dtype, device=grads.device)])
             self.comm.all_reduce(flat, self.local_group, "local")
-            flat.div_(self.g)
+            anyone = flat[grads.numel() :].tolist()
+            flat = flat[: grads.numel()].div_(self.g)
             unflatten(flat, [p.grad for p in params])
-            for p in unused:  # unused on every rank of the node: the optimizer skips it
-                if not p.grad.any():
+            for p, used in zip(params, anyone, strict=True):
+                if not used:
                     p.grad = None
         self._loss = loss
         return loss
@@ -254,7 +262,7 @@ class DasoReplicas(Strategy):
         if torch.isnan(flat).any():
             raise MyelinError(f"DASO: NaN in the parameters sent at send {ev.id}")
         group = self.global_groups[ev.group]
-        chunks = _chunks(flat, self.spec.sending_chunk_size)
+        chunks = heat_chunks(flat, self.spec.sending_chunk_size)
         works = []
         if group is not None:
             works = [self.comm.start(c, group, "global") for c in chunks]
@@ -347,6 +355,7 @@ class DasoReplicas(Strategy):
         state["pending"] = pending
         state["epoch_steps"], state["total_epochs"] = self._epoch_steps, self._total  # as planned
         state["local"] = flatten(self.params)  # the checkpoint's model entries are the synced ones
+        state["node_size"], state["nodes"] = self.g, self.nodes  # what the sends' sums are over
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +376,10 @@ class DasoReplicas(Strategy):
         # run loads before fit plans again, and must cool down where the first would have
         self._epoch_steps = self._epoch_steps or state.get("epoch_steps")
         self._total = self._total or state.get("total_epochs")
+        saved = (state.get("node_size", self.g), state.get("nodes", self.nodes))
+        if saved != (self.g, self.nodes):
+            self._regrouped(state, *saved)
+            return
         if state["schedule"] is not None:
             self._sched().load_state_dict(state["schedule"])
         unflatten(state["local"], self.params)
@@ -375,6 +388,23 @@ class DasoReplicas(Strategy):
             int(k): ([], [v["sum"].to(device)], int(v["wait"])) for k, v in state["pending"].items()
         }
 
+    def _regrouped(self, state: dict[str, Any], node_size: int, nodes: int) -> None:
+        """Resumed as other nodes: the phase and the skips carry on, but a pending send's
+        sum is over the old nodes and its sender group another's, so it is dropped, and
+        every replica goes on from the synchronised parameters (the checkpoint's model)."""
+        log.warning(
+            "DASO: the checkpoint was saved as %d node(s) of node_size=%d, this run is %d of "
+            "node_size=%d: its pending send is dropped and every replica resumes from the "
+            "synchronised parameters (the schedule's phase and skips carry on)",
+            nodes, node_size, self.nodes, self.g,
+        )  # fmt: skip
+        if state["schedule"] is None:
+            return
+        sched = self._sched()
+        sched.load_state_dict(state["schedule"])
+        sched.pending, sched.send_mod_m1 = None, None
+        sched.send_mod %= self.g
+
 
 def _no_epoch_length() -> ConfigError:
     """The error of a step DASO cannot schedule: it does not know its epoch length."""
@@ -382,55 +412,6 @@ def _no_epoch_length() -> ConfigError:
         "DASO needs the epoch length: DASO(epoch_steps=N), or trainer.fit(loader, "
         "epochs=E) with a loader that has a len()"
     )
-
-
-def merge_stale(params: list[torch.Tensor], total: torch.Tensor, wait: int, nodes: int) -> None:
-    """x <- (w x + total) / (w + N), w = 2 wait (1 when wait = 0): the newer local copy
-    weighted against the sum of the N stale copies, computed as Heat does
-    (x * w / (w + N) + total / (w + N))."""
-    numer = wait * 2.0 if wait > 0 else 1.0
-    denom = float(nodes) + numer
-    update = total.float() / denom
-    with torch.no_grad():
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.mul_(numer / denom).add_(update[offset : offset + n].view_as(p).to(p.dtype))
-            offset += n
-
-
-def _make_groups(world: Any, g: int) -> tuple[Any, list[Any]]:
-    """Every stage's node-local groups and G global groups (ranks of one local index), made
-    by every rank in the same order; this rank's local group and its stage's global ones.
-    A group of one rank is None (nothing to exchange)."""
-    layout = world.layout
-    local_mine, global_mine = None, [None] * g
-    for stage in range(layout.stages):
-        ranks = layout.replica_ranks(stage)
-        nodes = [ranks[n * g : (n + 1) * g] for n in range(len(ranks) // g)]
-        sets = [("local", n, r) for n, r in enumerate(nodes)]
-        sets += [("global", i, ranks[i::g]) for i in range(g)]
-        for kind, index, members in sets:
-            if len(members) < 2:
-                continue
-            group = dist.new_group(members)
-            world.extra_groups.append(group)
-            if world.rank in members:
-                if kind == "local":
-                    local_mine = group
-                else:
-                    global_mine[index] = group
-    return local_mine, global_mine
-
-
-def _chunks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Heat's split: the remainder first, then full chunks of `size` elements."""
-    n = flat.numel()
-    if n <= size:
-        return [flat]
-    count = math.ceil(n / size)
-    sizes = [n - size * (count - 1)] + [size] * (count - 1)
-    return list(torch.split(flat, sizes))
 
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor:

@@ -206,9 +206,9 @@ class EasgdReplicas(Strategy):
         sent, start = self.hub.bytes, time.perf_counter()
         if self.spec.mode == "async":
             old = self.hub.exchange(x, self.alpha)  # x~ moved by alpha (x - x~) there
-            pull = self.alpha * (x - old)
+            pull = self.alpha * (x - old.to(x.device))  # the hub's replies are host tensors
         else:
-            pull = self.alpha * (x - self.hub.read())
+            pull = self.alpha * (x - self.hub.read().to(x.device))
             self.hub.push(pull)
         self.comm.count("exchange", self.hub.bytes - sent)
         self.comm.waited("exchange", time.perf_counter() - start)

@@ -122,7 +122,7 @@ def test_measgd_momentum_needs_the_local_sgd_update(optimizer, got):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """One 2-rank job: DASO at its edges, and with a parameter left without a gradient."""
-    cases = ["daso_edges", "daso_unused"]
+    cases = ["daso_edges", "daso_unused", "bn_buffers"]
     job = launch(2, "replicas.py", cases, tmp_path_factory.mktemp("two"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     return job.results
@@ -142,6 +142,27 @@ def test_daso_leaves_a_parameter_without_a_gradient_alone_and_refuses_sparse_one
         got = two[r]["daso_unused"]
         assert got["moved"] == {"daso": 0.0, "allreduce": 0.0}  # no weight decay without grad
         assert "sparse gradient" in got["sparse_error"] and "node_size=1" in got["sparse_error"]
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "easgd", "daso"])
+def test_the_model_read_under_data_parallel_holds_replica_zeros_buffers(two, sync):
+    """BatchNorm's running statistics come from each replica's own batches; evaluation
+    and state_dict() read one model: replica 0's buffers, on every replica (DDP's rule)."""
+    a, b = two[0]["bn_buffers"][sync], two[1]["bn_buffers"][sync]
+    assert a["buffers"] == b["buffers"]
+    assert b["own_differ"] and not a["own_differ"]  # replica 1 took replica 0's
+    assert a["state_buffers"] == a["buffers"][:2]
+    assert a["eval"] == b["eval"] == pytest.approx(a["reference"], rel=1e-6)
+
+
+def test_a_parameter_one_replica_used_with_a_zero_gradient_moves_alike_on_every_replica(two):
+    """Rank 0's gradient of the head is zeros, rank 1 has none: the head is used (DDP's
+    rule), so AdamW's weight decay moves it on both replicas, and they stay equal (the
+    replica without a gradient left it alone while the other decayed it)."""
+    a, b = two[0]["daso_unused"]["partly"], two[1]["daso_unused"]["partly"]
+    for name in ("daso", "allreduce", "allreduce_after"):
+        assert a[name]["aux"] == b[name]["aux"], name
+        assert a[name]["moved"] > 0 and b[name]["moved"] > 0, name
 
 
 @pytest.mark.parametrize("wait,nodes", [(0, 2), (1, 2), (3, 4), (2, 1)])
@@ -197,6 +218,19 @@ def test_daso_resumes_exactly_across_a_pending_send(four):
     for r in four.values():
         d = r["daso"]
         assert d["pending_at_save"] and d["resumed"] == d["full"]
+
+
+def test_daso_resumed_as_other_nodes_starts_its_sends_afresh_from_the_synced_model(four):
+    """Saved as 2 nodes of 2 with a send pending, resumed as 1 node of 4 and as 4 of 1:
+    the pending sum (over the old nodes) would scale the weights; it is dropped, said so,
+    and every replica resumes from the synchronised parameters."""
+    for r in four.values():
+        for node_size in ("4", "1"):
+            got = r["daso"]["regrouped"][node_size]
+            assert got["loaded_is_synced"] and got["losses_finite"], node_size
+            assert len(got["warning"]) == 1, got["warning"]
+            assert "node_size=2" in got["warning"][0]
+            assert f"node_size={node_size}" in got["warning"][0]
 
 
 def test_daso_in_a_pipeline_runs_per_stage(four):

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -80,6 +81,17 @@ def gather(t):
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return out
+
+
+class _Captured(logging.Handler):
+    """The messages logged to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def case_daso():
@@ -152,6 +164,29 @@ def case_daso():
     t = trainer(spec, resume=ckpt)
     res["resumed"], res["full"] = [t.step(*batch(t.replica, s)) for s in range(5, 8)], full[5:]
     t.close()
+    # 3b. resumed as other nodes: the pending send dropped (its sum is over the old nodes),
+    # every replica from the checkpoint's synchronised parameters, saying so
+    t = trainer(spec)
+    for s in range(5):
+        t.step(*batch(t.replica, s))
+    with t.model_view():
+        synced = digest(flat(t.module))
+    t.close()
+    res["regrouped"] = {}
+    for node_size in (4, 1):
+        warned = _Captured()
+        logging.getLogger("myelin.replicas.daso").addHandler(warned)
+        spec2 = myelin.DASO(node_size=node_size, epoch_steps=6, warmup_epochs=0)
+        t = trainer(spec2, resume=ckpt)
+        logging.getLogger("myelin.replicas.daso").removeHandler(warned)
+        loaded = digest(flat(t.module))
+        losses = [t.step(*batch(t.replica, s)) for s in range(5, 8)]
+        res["regrouped"][node_size] = {
+            "loaded_is_synced": loaded == synced,
+            "warning": warned.lines,
+            "losses_finite": all(math.isfinite(v) for v in losses),
+        }
+        t.close()
     # 4. a 2-stage pipeline, 2 replicas: each stage runs DASO over its own replicas
     t = trainer(myelin.DASO(node_size=1, epoch_steps=4, warmup_epochs=0), stages=2)
     same = []

@@ -319,6 +319,40 @@ class _WithUnused(torch.nn.Module):
         return self.used(x)
 
 
+class _UsedOnRankZero(torch.nn.Module):
+    """A head that rank 0 calls with a zero weight (its gradient is zeros) and rank 1 does
+    not call (no gradient): used by a replica, so every replica's optimizer moves it."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+        self.used, self.aux = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        y = self.used(x)
+        return y + 0.0 * self.aux(x) if self.rank == 0 else y
+
+
+def _partly_used(rank):
+    """The aux head after 3 AdamW steps with weight decay, and how far it moved."""
+    got = {}
+    for name, sync in (("daso", myelin.DASO(node_size=2, epoch_steps=10)),
+                       ("allreduce", myelin.AllReduce()),
+                       ("allreduce_after", myelin.AllReduce(overlap=False))):  # fmt: skip
+        torch.manual_seed(0)
+        model = _UsedOnRankZero(rank)
+        before = model.aux.weight.detach().clone()
+        opt = functools.partial(torch.optim.AdamW, lr=0.1, weight_decay=0.5)
+        t = myelin.Trainer(torch.nn.Sequential(model), opt, torch.nn.functional.mse_loss,
+                           data_parallel=2, sync=sync, timeout=60)  # fmt: skip
+        for s in range(3):
+            t.step(*batch(rank, s))
+        after = t.module[0].aux.weight.detach()
+        got[name] = {"aux": after.tolist(), "moved": float((after - before).abs().max())}
+        t.close()
+    return got
+
+
 def case_daso_unused(out):
     """2 ranks as one node of two: DASO averages the node's gradients every step, AdamW with
     weight decay. A parameter without a gradient is left alone, as AllReduce and plain
@@ -351,4 +385,48 @@ def case_daso_unused(out):
     except myelin.MyelinError as exc:  # its own ConfigError, or a peer's that reached it first
         error = str(exc)
     t.close()
-    return {"moved": moved, "sparse_error": error}
+    return {"moved": moved, "sparse_error": error, "partly": _partly_used(rank)}
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+    )
+
+
+def case_bn_buffers(out):
+    """2 replicas of a BatchNorm model, each training on its own batches: under every
+    strategy the model read (eval_step, evaluate, state_dict) holds one set of running
+    statistics, replica 0's, so the mean evaluation loss is that of the model state_dict()
+    gives, evaluated in one process on both replicas' batches."""
+    rank = int(os.environ["RANK"])
+    syncs = {
+        "allreduce": myelin.AllReduce(),
+        "easgd": myelin.EASGD(tau=2, alpha=0.1, mode="sync"),
+        "daso": myelin.DASO(node_size=1, epoch_steps=10, warmup_epochs=0, downcast="fp32"),
+    }
+    res = {}
+    for name, sync in syncs.items():
+        opt = functools.partial(torch.optim.SGD, lr=0.05)
+        t = myelin.Trainer(_bn_model(), opt, torch.nn.functional.mse_loss, data_parallel=2,
+                           sync=sync, timeout=60)  # fmt: skip
+        for s in range(3):
+            t.step(*batch(rank, s))
+        own = [b.clone() for b in t.module.buffers()]
+        loss = t.eval_step(*batch(rank, 9))
+        state = t.state_dict()
+        got = {"eval": loss, "buffers": [b.tolist() for b in t.module.buffers()]}
+        got["own_differ"] = any(not torch.equal(a, b) for a, b in zip(own, t.module.buffers()))
+        if rank == 0:
+            plain = _bn_model()
+            plain.load_state_dict(state)
+            plain.eval()
+            with torch.no_grad():
+                losses = [torch.nn.functional.mse_loss(plain(x), y).item()
+                          for x, y in (batch(0, 9), batch(1, 9))]  # fmt: skip
+            got["reference"] = sum(losses) / 2
+            got["state_buffers"] = [state[k].tolist() for k in ("1.running_mean", "1.running_var")]
+        res[name] = got
+        t.close()
+    return res
