@@ -300,6 +300,7 @@ class DasoReplicas(Strategy):
             yield
             return
         self._viewing = True
+        self._own = flatten(self.params)  # what a save inside the view keeps as this rank's
         try:
             with holding(self.params, self.synced):
                 yield
@@ -354,7 +355,9 @@ class DasoReplicas(Strategy):
         state = {"strategy": self.name, "schedule": sched.state_dict() if sched else None}
         state["pending"] = pending
         state["epoch_steps"], state["total_epochs"] = self._epoch_steps, self._total  # as planned
-        state["local"] = flatten(self.params)  # the checkpoint's model entries are the synced ones
+        # this rank's own (a save inside a view: not the synced ones the view holds); the
+        # checkpoint's model entries are the synced ones
+        state["local"] = self._own.clone() if self._viewing else flatten(self.params)
         state["node_size"], state["nodes"] = self.g, self.nodes  # what the sends' sums are over
         return state
 

@@ -306,6 +306,7 @@ class EasgdReplicas(Strategy):
             yield
             return
         self._viewing = True
+        self._own = flatten(self.params)  # what a save inside the view keeps as this rank's
         try:
             with holding(self.params, self.agreed_center()):
                 equalise(self.tied, self.world)  # a tied weight: the first holder's center
@@ -316,7 +317,7 @@ class EasgdReplicas(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """x_i, the clock and the velocity, tagged "easgd"; the checkpoint's model entries
         hold x~."""
-        local = flatten(self.params)
+        local = self._own.clone() if self._viewing else flatten(self.params)  # x_i, not x~
         state: dict[str, Any] = {"strategy": self.name, "local": local, "t": self.t}
         state["exchanges"] = self.exchanges
         if self.velocity is not None:

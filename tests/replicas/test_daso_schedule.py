@@ -115,7 +115,7 @@ def test_a_resumed_daso_keeps_the_plan_it_was_saved_under(monkeypatch):
     import myelin.replicas.daso as daso
     from myelin.replicas import Context
 
-    monkeypatch.setattr(daso, "_make_groups", lambda world, g: (None, [None] * g))  # no groups
+    monkeypatch.setattr(daso, "make_groups", lambda world, g: (None, [None] * g))  # no groups
     layout = types.SimpleNamespace(data_parallel=2, stages=1)
     world = types.SimpleNamespace(layout=layout, replica=0, dp_group=None, extra_groups=[])
 
@@ -145,7 +145,7 @@ def test_fit_epochs_count_in_dasos_own_epochs_when_it_sets_their_length(monkeypa
     import myelin.replicas.daso as daso
     from myelin.replicas import Context
 
-    monkeypatch.setattr(daso, "_make_groups", lambda world, g: (None, [None] * g))
+    monkeypatch.setattr(daso, "make_groups", lambda world, g: (None, [None] * g))
     layout = types.SimpleNamespace(data_parallel=2, stages=1)
     world = types.SimpleNamespace(layout=layout, replica=0, dp_group=None, extra_groups=[])
     params = [torch.nn.Parameter(torch.zeros(3))]

@@ -122,7 +122,7 @@ def test_measgd_momentum_needs_the_local_sgd_update(optimizer, got):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """One 2-rank job: DASO at its edges, and with a parameter left without a gradient."""
-    cases = ["daso_edges", "daso_unused", "bn_buffers"]
+    cases = ["daso_edges", "daso_unused", "bn_buffers", "save_in_view"]
     job = launch(2, "replicas.py", cases, tmp_path_factory.mktemp("two"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     return job.results
@@ -153,6 +153,13 @@ def test_the_model_read_under_data_parallel_holds_replica_zeros_buffers(two, syn
     assert b["own_differ"] and not a["own_differ"]  # replica 1 took replica 0's
     assert a["state_buffers"] == a["buffers"][:2]
     assert a["eval"] == b["eval"] == pytest.approx(a["reference"], rel=1e-6)
+
+
+@pytest.mark.parametrize("sync", ["easgd", "daso"])
+def test_a_save_inside_the_model_view_keeps_each_replicas_own_parameters(two, sync):
+    for r in (0, 1):
+        got = two[r]["save_in_view"][sync]
+        assert got["differ"] and got["resumed_own"]  # not the center the view held
 
 
 def test_a_parameter_one_replica_used_with_a_zero_gradient_moves_alike_on_every_replica(two):

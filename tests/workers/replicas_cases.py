@@ -430,3 +430,31 @@ def case_bn_buffers(out):
         res[name] = got
         t.close()
     return res
+
+
+def case_save_in_view(out):
+    """A save inside `model_view()` (the parameters hold the center, or DASO's synced
+    ones) keeps this replica's own parameters as its state: a resume gets them back."""
+    rank = int(os.environ["RANK"])
+    syncs = {
+        "easgd": myelin.EASGD(tau=1, alpha=0.2, mode="sync"),
+        "daso": myelin.DASO(node_size=1, epoch_steps=2, warmup_epochs=0, cooldown_epochs=0,
+                            total_epochs=10),  # fmt: skip
+    }
+    res = {}
+    for name, sync in syncs.items():
+        t = trainer(sync)
+        for s in range(3):
+            t.step(*batch(rank, s))
+        own = flat(t.module)
+        ckpt = os.path.join(out, f"in-view-{name}")
+        with t.model_view():
+            viewed = flat(t.module)
+            t.save(ckpt)
+        t.close()
+        t = trainer(sync, resume=ckpt)
+        resumed = flat(t.module)
+        res[name] = {"differ": not torch.equal(own, viewed),
+                     "resumed_own": torch.equal(resumed, own)}  # fmt: skip
+        t.close()
+    return res
