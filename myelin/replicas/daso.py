@@ -47,8 +47,7 @@ import torch.distributed as dist
 from myelin.errors import ConfigError, MyelinError
 from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import DOWNCAST, Collectives, summable
-from myelin.replicas.daso_ops import chunks as heat_chunks
-from myelin.replicas.daso_ops import make_groups, merge_stale
+from myelin.replicas.daso_ops import chunks, make_groups, merge_stale
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
 from myelin.replicas.flat import flatten, holding, unflatten
 from myelin.runtime.tied import equalise
@@ -262,11 +261,11 @@ class DasoReplicas(Strategy):
         if torch.isnan(flat).any():
             raise MyelinError(f"DASO: NaN in the parameters sent at send {ev.id}")
         group = self.global_groups[ev.group]
-        chunks = heat_chunks(flat, self.spec.sending_chunk_size)
+        pieces = chunks(flat, self.spec.sending_chunk_size)
         works = []
         if group is not None:
-            works = [self.comm.start(c, group, "global") for c in chunks]
-        self.pending[ev.id] = (works, chunks, ev.wait)
+            works = [self.comm.start(c, group, "global") for c in pieces]
+        self.pending[ev.id] = (works, pieces, ev.wait)
 
     def _finish(self, send_id: int) -> tuple[torch.Tensor, int]:
         works, chunks, wait = self.pending.pop(send_id)
@@ -300,9 +299,9 @@ class DasoReplicas(Strategy):
             yield
             return
         self._viewing = True
-        self._own = flatten(self.params)  # what a save inside the view keeps as this rank's
         try:
-            with holding(self.params, self.synced):
+            with holding(self.params, self.synced) as own:
+                self._own = own  # what a save inside the view keeps as this rank's
                 yield
         finally:
             self._viewing = False

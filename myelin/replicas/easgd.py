@@ -306,9 +306,9 @@ class EasgdReplicas(Strategy):
             yield
             return
         self._viewing = True
-        self._own = flatten(self.params)  # what a save inside the view keeps as this rank's
         try:
-            with holding(self.params, self.agreed_center()):
+            with holding(self.params, self.agreed_center()) as own:
+                self._own = own  # what a save inside the view keeps as this rank's
                 equalise(self.tied, self.world)  # a tied weight: the first holder's center
                 yield
         finally:

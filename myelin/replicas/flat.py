@@ -28,11 +28,12 @@ def unflatten(flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
 
 
 @contextlib.contextmanager
-def holding(params: Sequence[torch.Tensor], values: torch.Tensor) -> Iterator[None]:
-    """While open, `params` hold `values` (flat); their own values come back after."""
+def holding(params: Sequence[torch.Tensor], values: torch.Tensor) -> Iterator[torch.Tensor]:
+    """While open, `params` hold `values` (flat); their own values (yielded, flat) come
+    back after."""
     own = flatten(params)
     unflatten(values, params)
     try:
-        yield
+        yield own
     finally:
         unflatten(own, params)
