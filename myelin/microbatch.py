@@ -47,9 +47,31 @@ def collated(inputs: Any, targets: Any) -> tuple[Any, Any]:
     return inputs, targets
 
 
+def _parts(batch: Any) -> tuple[list[Any], list[str]]:
+    """The entries of a tuple (a namedtuple too) or dict batch, or the batch alone, with
+    the names errors give them ("[0]", "['mask']")."""
+    if isinstance(batch, dict):
+        return list(batch.values()), [f"[{k!r}]" for k in batch]
+    entries = list(batch) if isinstance(batch, tuple) else [batch]
+    return entries, [f"[{i}]" for i in range(len(entries))]
+
+
+def _rebuilt(batch: Any, entries: list[Any]) -> Any:
+    """`entries` in the structure of `batch` (a tuple, namedtuple or dict), or alone."""
+    if isinstance(batch, dict):
+        return dict(zip(batch, entries, strict=True))
+    if isinstance(batch, tuple):
+        return type(batch)(*entries) if hasattr(batch, "_fields") else tuple(entries)
+    return entries[0]
+
+
 def _rows(batch: Any) -> int | None:
-    """The row count of a tensor or tuple batch (None for a list, None or an empty tuple)."""
-    first = batch[0] if isinstance(batch, tuple) and batch else batch
+    """The row count of a tensor, tuple or dict batch (None for a list, None or an empty
+    tuple)."""
+    if isinstance(batch, list) or batch is None:
+        return None
+    entries = _parts(batch)[0]
+    first = entries[0] if entries else None
     return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else None
 
 
@@ -76,16 +98,22 @@ def split_step(inputs: Any, targets: Any, microbatches: int) -> tuple[Any, Any, 
     inputs, targets = collated(inputs, targets)
     sizes = target_sizes(inputs, targets, microbatches)
     mb_inputs = split_batch(inputs, microbatches, "inputs")
-    mb_targets = split_batch(targets, microbatches, "targets", sizes)
+    mb_targets = split_batch(targets, microbatches, "targets", sizes, mappings=True)
     rows = uneven_rows(targets if targets is not None else inputs, microbatches, sizes)
     return mb_inputs, mb_targets, rows
 
 
 def split_batch(
-    batch: Any, microbatches: int, what: str, sizes: list[int] | None = None
+    batch: Any,
+    microbatches: int,
+    what: str,
+    sizes: list[int] | None = None,
+    *,
+    mappings: bool = False,
 ) -> list[Any] | None:
-    """Split a batch along dim 0 into microbatches (of `sizes` rows, when given); a list is
-    taken as microbatches already."""
+    """Split a batch along dim 0 into microbatches (of `sizes` rows, when given), each a
+    tensor, tuple (namedtuple) or, with `mappings` (targets), dict as the batch was; a
+    list is taken as microbatches already."""
     if batch is None:
         return None
     if isinstance(batch, list):
@@ -95,21 +123,30 @@ def split_batch(
                 f"for microbatches={microbatches}"
             )
         return batch
-    tensors = batch if isinstance(batch, tuple) else (batch,)
+    if isinstance(batch, dict) and not mappings:
+        raise ConfigError(
+            f"{what} is a dict; pass a tensor or a tuple of tensors in the order the first "
+            f"layer's forward takes them"
+        )
+    tensors, names = _parts(batch)
     if not tensors:
-        raise ConfigError(f"{what} is an empty tuple; pass a tensor or a tuple of tensors")
-    for i, t in enumerate(tensors):
+        raise ConfigError(
+            f"{what} is an empty {type(batch).__name__}; pass a tensor or a tuple of tensors"
+        )
+    for name, t in zip(names, tensors, strict=True):
         if not isinstance(t, torch.Tensor):
             raise ConfigError(
-                f"{what}[{i}] is a {type(t).__name__}; pass tensors, a tuple of tensors, or a "
+                f"{what}{name} is a {type(t).__name__}; pass tensors, a tuple of tensors, or a "
                 f"list of per-microbatch entries"
             )
         if t.dim() == 0:
-            raise ConfigError(f"{what}[{i}] is 0-d; a batch needs a leading batch dimension")
+            raise ConfigError(f"{what}{name} is 0-d; a batch needs a leading batch dimension")
     size = tensors[0].shape[0]
-    for i, t in enumerate(tensors):
+    for name, t in zip(names, tensors, strict=True):
         if t.shape[0] != size:
-            raise ConfigError(f"{what}[{i}] has batch size {t.shape[0]}, but {what}[0] has {size}")
+            raise ConfigError(
+                f"{what}{name} has batch size {t.shape[0]}, but {what}{names[0]} has {size}"
+            )
     if size < microbatches:
         raise ConfigError(
             f"{what}: a batch of {size} rows cannot be split into microbatches={microbatches} "
@@ -120,9 +157,7 @@ def split_batch(
         chunks = [t.split(sizes) for t in tensors]
     else:
         chunks = [t.tensor_split(microbatches) for t in tensors]  # sizes differ by one at most
-    if isinstance(batch, tuple):
-        return [tuple(c[i] for c in chunks) for i in range(microbatches)]
-    return list(chunks[0])
+    return [_rebuilt(batch, [c[i] for c in chunks]) for i in range(microbatches)]
 
 
 def uneven_rows(batch: Any, microbatches: int, sizes: list[int] | None = None) -> list[int] | None:
@@ -134,9 +169,8 @@ def uneven_rows(batch: Any, microbatches: int, sizes: list[int] | None = None) -
         return list(sizes)
     if batch is None or isinstance(batch, list):
         return None
-    first = batch[0] if isinstance(batch, tuple) else batch
-    size = first.shape[0]
-    if size % microbatches == 0:
+    size = _rows(batch)
+    if size is None or size % microbatches == 0:
         return None
     return [
         size // microbatches + (1 if i < size % microbatches else 0) for i in range(microbatches)

@@ -5,6 +5,7 @@ items are in tests/test_parity_pipeline.py."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import math
@@ -521,3 +522,55 @@ def test_a_loaders_collated_tuple_of_inputs_is_a_tuple_not_microbatches(microbat
         rows = t.fit(DataLoader(ds, batch_size=8), steps=1, progress=False)
     want = F.cross_entropy(model(*inputs), y).item()
     assert got == pytest.approx(want, rel=1e-6) and rows[0]["loss"] == pytest.approx(want, rel=1e-6)
+
+
+Weighted = collections.namedtuple("Weighted", "label weight")
+
+
+def _weighted_ce(out, target):
+    label = target["label"] if isinstance(target, dict) else target.label
+    weight = target["weight"] if isinstance(target, dict) else target.weight
+    return (F.cross_entropy(out, label, reduction="none") * weight).mean()
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "dict"])
+@pytest.mark.parametrize("rows", [16, 14], ids=["even", "short"])
+def test_targets_as_a_namedtuple_or_dict_reach_loss_fn_as_they_were_given(kind, rows):
+    """Each microbatch's targets keep their type (a namedtuple became a plain tuple, a dict
+    was refused), and training equals torch's on the whole batch."""
+    data = batches(3, rows=rows)
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.rand(rows, generator=g) for _ in data]
+
+    def target(y, w):
+        return Weighted(y, w) if kind == "namedtuple" else {"label": y, "weight": w}
+
+    ref = mlp()
+    opt = ADAMW(ref.parameters())
+    want = []
+    for (x, y), w in zip(data, weights, strict=True):
+        opt.zero_grad()
+        loss = _weighted_ce(ref(x), target(y, w))
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    seen = []
+
+    def loss_fn(out, t):
+        seen.append(type(t))
+        return _weighted_ce(out, t)
+
+    with Trainer(mlp(), ADAMW, loss_fn, microbatches=4) as t:
+        got = [t.step(x, target(y, w)) for (x, y), w in zip(data, weights, strict=True)]
+        trained = t.state_dict()
+    assert set(seen) == {Weighted if kind == "namedtuple" else dict}
+    assert got == pytest.approx(want, rel=1e-5)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_as_a_dict_are_refused_saying_to_pass_a_tuple():
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=2) as t:
+        x, y = batches(1)[0]
+        with pytest.raises(ConfigError, match="inputs is a dict; pass a tensor or a tuple"):
+            t.step({"x": x}, y)

@@ -29,6 +29,8 @@ class LazyAdam(torch.optim.Optimizer):
     and maximize are refused with a ConfigError, in the constructor and in a param group
     alike (their defaults, 0, False and False, are accepted). lr may be 0, as torch's."""
 
+    per_parameter_state = True  # each row's own state: offload may step it a bucket at a time
+
     def __init__(
         self,
         params: Iterable[Any],

@@ -67,3 +67,4 @@ def build_optimizer(
             f"[p for n, p in params.named_parameters() if not n.endswith('bias')]"
         )
     return optimizer
+

@@ -14,7 +14,8 @@ parameters (the parameters themselves when the model trains in fp32 on the devic
   stepped, and copied out.
 
 Buckets are stepped one at a time by giving only their parameters a gradient, which any
-torch optimizer with per-parameter state treats exactly like one whole step.
+torch optimizer with per-parameter state treats exactly like one whole step; another
+optimizer (state in its param groups) is stepped once, or refused by "stream".
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from myelin.errors import ConfigError
+from myelin.offload.buckets import buckets
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.factory import build_optimizer
 from myelin.offload.gradients import Gradients
@@ -88,7 +90,8 @@ class Updater:
             for group in self.optimizer.param_groups:
                 if group.get("foreach", False) is None:
                     group["foreach"] = True
-        self._buckets = _buckets(self.masters, bucket_bytes)
+        stepping = "in place" if self._in_place else mode  # in place: one step of all
+        self._buckets = buckets(self.masters, bucket_bytes, self.optimizer, stepping, where)
         self._host_grads: list[torch.Tensor] = []
         self._copied: dict[int, Any] = {}  # bucket -> its copy's event (None on a CPU)
         self._armed = False
@@ -425,22 +428,6 @@ class Updater:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 m.copy_(p)
-
-
-def _buckets(masters: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Parameter indices in buckets of about `bucket_bytes` of fp32, last layer first
-    (the order backward finishes them)."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i in reversed(range(len(masters))):
-        nbytes = masters[i].numel() * 4
-        if buckets and size + nbytes <= bucket_bytes:
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            size = nbytes
-    return buckets
 
 
 def _values(g: torch.Tensor) -> torch.Tensor:

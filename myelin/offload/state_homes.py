@@ -148,4 +148,6 @@ def _probe(
         for x, g in zip(masters, saved_grads, strict=True):
             x.grad = g
         for g, saved in zip(optimizer.param_groups, groups, strict=True):
+            for key in set(g) - set(saved) - {"params"}:  # added by the probe's step
+                del g[key]
             g.update(saved)

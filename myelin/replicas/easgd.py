@@ -171,6 +171,7 @@ class EasgdReplicas(Strategy):
                                   "EASGD's rounds")  # fmt: skip
         self.hub = None
         self._viewing = False
+        self._idle: list[int] = []  # this step's parameters without a gradient
         if spec.mode != "sync":
             from myelin.replicas.hub_client import connect_hub
 
@@ -182,6 +183,8 @@ class EasgdReplicas(Strategy):
         """On an exchange step, take x_i - x~ before the optimizer step; the loss is this
         replica's own (no collective: the replicas' mean is formed at fit's rows)."""
         self._before = flatten(self.params) if self.velocity is not None else None
+        # SGD leaves a parameter without a gradient alone, and so does its momentum
+        self._idle = [i for i, p in enumerate(params) if p.grad is None]
         self._pull = None  # e = alpha (x_i - x~) on an exchange step
         if self.t % self.spec.tau == 0 and self.params:
             x = flatten(self.params)
@@ -225,13 +228,25 @@ class EasgdReplicas(Strategy):
             return
         if self.velocity is not None:
             x = flatten(self.params)
+            spans = self._spans(self._idle)
+            kept = [self.velocity[a:b].clone() for a, b in spans]
             self.velocity.mul_(self.spec.momentum).add_(x - self._before)
-            unflatten(self._before + self.velocity, self.params)
+            x = self._before + self.velocity
+            for (a, b), v in zip(spans, kept, strict=True):  # no gradient: neither moves
+                self.velocity[a:b], x[a:b] = v, self._before[a:b]
+            unflatten(x, self.params)
         if self._pull is None:
             return
         # e = alpha (x_i - x~), taken before the step
         unflatten(flatten(self.params).sub_(self._pull), self.params)
         equalise(self.tied, self.world)  # each stage's center pulled its tied copy its way
+
+    def _spans(self, indices: list[int]) -> list[tuple[int, int]]:
+        """Where the parameters at `indices` lie in the flat vectors."""
+        starts = [0]
+        for p in self.params:
+            starts.append(starts[-1] + p.numel())
+        return [(starts[i], starts[i + 1]) for i in indices]
 
     def _settle(self) -> None:
         """Wait for the last sync round's sum and move the center by it:

@@ -328,21 +328,23 @@ def _for_loss(value: Any, dtype: torch.dtype) -> Any:
     precision, so the loss itself is computed in full precision."""
     if dtype == torch.float32:
         return value
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_for_loss(v, dtype) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_for_loss(v, dtype) for v in value)
-    if isinstance(value, dict):
-        items = {k: _for_loss(v, dtype) for k, v in value.items()}
-        return items if type(value) is dict else type(value)(**items)  # (a ModelOutput)
-    return value
+    return _tensors_mapped(value, lambda t: t.float() if t.is_floating_point() else t)
 
 
 def _to(value: Any, device: torch.device) -> Any:
+    return _tensors_mapped(value, lambda t: t.to(device, non_blocking=True))
+
+
+def _tensors_mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with `fn` applied to every tensor in it: through tuples, namedtuples, lists
+    and dicts (a ModelOutput too), each rebuilt as its own type."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_tensors_mapped(v, fn) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(_tensors_mapped(v, fn) for v in value)
+    if isinstance(value, dict):
+        items = {k: _tensors_mapped(v, fn) for k, v in value.items()}
+        return items if type(value) is dict else type(value)(**items)  # (a ModelOutput)
     return value

@@ -419,3 +419,45 @@ def test_bad_construction_is_a_config_error():
         Updater(params, ADAMW, mode="host")
     with pytest.raises(ConfigError, match="not a torch.optim.Optimizer"):
         Updater(params, lambda ps: object())
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """SGD whose step size decays with a counter of the group's own steps: state that
+    is not any parameter's, which a step a bucket at a time would advance per bucket."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] = group.get("count", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / group["count"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_an_optimizer_with_state_across_parameters_steps_once_under_host_offload(precision):
+    """Four buckets, one optimizer step: the group's counter reads the steps taken (it read
+    steps x buckets) and the parameters equal the device mode's."""
+    model = net(precision)
+    updater = make_updater(model, "host", precision, CountingSGD)
+    assert len(updater._buckets) == 1
+    ref_model = net(precision)
+    ref = make_updater(ref_model, "device", precision, CountingSGD)
+    for step, b in enumerate(batches(3, 2)):
+        assert train_step(model, updater, b, step, arm=True)
+        assert train_step(ref_model, ref, b, step)
+    assert updater.optimizer.param_groups[0]["count"] == 3
+    assert_same_params(model, [p.detach() for p in ref_model.parameters()])
+
+
+def test_stream_offload_refuses_an_optimizer_with_state_across_parameters():
+    with pytest.raises(ConfigError, match=r"'stream' steps the optimizer one bucket .*CountingSGD"):
+        make_updater(net("bf16"), "stream", "bf16", CountingSGD)
+
+    class Declared(CountingSGD):
+        per_parameter_state = True  # the user's word that each parameter steps alone
+
+    assert len(make_updater(net("bf16"), "stream", "bf16", Declared)._buckets) == 4

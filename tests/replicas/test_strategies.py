@@ -472,3 +472,40 @@ def test_a_weight_tied_across_stages_stays_one_weight_with_four_replicas(tmp_pat
         assert r["tied_all"] == dict.fromkeys(
             ("allreduce", "daso", "sync", "async", "hogwild"), True
         ), r
+
+
+class _Branchy(torch.nn.Module):
+    """A trunk used every step and a side branch used only when `side` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.side, self.use_side = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2), True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trunk(x) + (self.side(x) if self.use_side else 0)
+
+
+def test_measgd_leaves_a_parameter_without_a_gradient_where_it_is():
+    """MEASGD's momentum is the local SGD update's: a parameter without a gradient this
+    step stays put, as torch's SGD(momentum) leaves it (the velocity kept it coasting)."""
+    torch.manual_seed(0)
+    model, ref = _Branchy(), _Branchy()
+    ref.load_state_dict(model.state_dict())
+    t = myelin.Trainer(model, functools.partial(torch.optim.SGD, lr=0.1),
+                       torch.nn.functional.mse_loss,
+                       sync=myelin.EASGD(alpha=0.0, momentum=0.9))  # fmt: skip
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    with t:
+        for step in range(6):
+            x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+            model.use_side = ref.use_side = step < 2  # the side branch idles from step 2
+            if step == 2:
+                idle = t.module.side.weight.detach().clone()
+            t.step(x, y)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            opt.step()
+        assert torch.equal(t.module.side.weight, idle)
+        for mine, theirs in zip(t.module.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-6, atol=1e-6)
