@@ -163,12 +163,22 @@ class Failures:
         if passing:
             self.flight.note(f"failed in {doing}, forgotten: {type(exc).__name__}")
         error = self.describe(exc, doing) if passing else self.fail(exc, doing)
+        if isinstance(error, Exception) and not hasattr(error, "_myelin_recorded"):
+            self._name_where(error, doing)
         try:
             if error is exc:
                 raise exc
             raise error from exc
         finally:  # the traceback holds this frame: its locals must not hold the error
             del error, exc
+
+    def _name_where(self, error: Exception, doing: str) -> None:
+        """A note on an error without a flight record (one rank's own, raised as it was):
+        where it failed, the action too when it failed in one ("running 1B0 ...")."""
+        note = f"myelin: rank {self.rank} failed in "
+        if not any(n.startswith(note) for n in getattr(error, "__notes__", ())):
+            now = self.flight.doing
+            error.add_note(note + (now if doing in now else doing))
 
     def record(self, error: BaseException) -> None:
         """Write the flight record for `error`, tell the launcher where, and put the

@@ -390,7 +390,7 @@ class Trainer:
         self._failures.enter(where)
         saved = retry.savepoint(self)  # one rank alone forgets a step its update had not begun
         try:
-            loss = run(self.seq, mb_inputs, mb_targets, rows)
+            loss = run(self.seq, mb_inputs, mb_targets, rows, where)
         except BaseException as exc:
             forgotten = retry.forget_step(self, saved, exc, training=run == self.loop.run_step)
             self._failures.raise_failed(exc, where, forgotten)

@@ -238,3 +238,29 @@ def test_a_rank_a_signal_stopped_among_peers_gathers_no_profile_at_close(tmp_pat
     assert failures.failed is None and not failures.ending  # one rank: its report is whole
     failures.transport = object()  # (peers to gather with)
     assert failures.ending
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the user's backward broke")
+
+
+def test_the_users_own_error_is_raised_as_it_was_with_a_note_of_where():
+    """The error is the user's own type and text, and a note says which action of which
+    step (the trainer's count, from 1) it broke in; a second failure is noted once."""
+    with _trainer("none") as t:
+        x, y = _batches(1)[0]
+        t.step(x, y)
+        t.module[1].register_forward_hook(lambda m, i, out: _RaisesInBackward.apply(out))
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="the user's backward broke") as err:
+                t.step(x, y)
+            notes = [n for n in err.value.__notes__ if n.startswith("myelin:")]
+            assert notes == [
+                "myelin: rank 0 failed in running 0B0 (backward of microbatch 0) in training step 2"
+            ]

@@ -104,20 +104,11 @@ class EventLoop:
             replicas = AllReduceReplicas(world.dp_group, world.layout.data_parallel, world.waits)
         self.replicas = replicas  # None: one replica, nothing to agree on
         self.clip = clip  # runtime/clip.py: a stage with nothing to train still joins its norm
-        self.inbox = Inbox(
-            stage,
-            world,
-            transport,
-            config.microbatches,
-            self.stats,
-            timeline=self.timeline,
-            flight=self.flight,
-            liveness=liveness,
-            ties=self.ties,
-        )
-        self.outbox = Outbox(
-            stage.index, stage.device, world, transport, self.timeline, self.flight
-        )
+        self.inbox = Inbox(stage, world, transport, config.microbatches, self.stats,
+                           timeline=self.timeline, flight=self.flight, liveness=liveness,
+                           ties=self.ties)  # fmt: skip
+        self.outbox = Outbox(stage.index, stage.device, world, transport, self.timeline,
+                             self.flight)  # fmt: skip
         self._forward_only = ForwardOnly()
         if policy.splits:  # tied parameters' gradients stay in I: tied.py's hooks sum them
             stage.split_backward(keep=[p for tie in self.tied for p in tie.params])
@@ -130,8 +121,11 @@ class EventLoop:
         inputs: Sequence[tuple[torch.Tensor, ...]] | None,
         targets: Sequence[Any] | None,
         rows: Sequence[int] | None = None,
+        where: str | None = None,
     ) -> float:
         """Run forward and backward of every microbatch of `step` on this stage, then update.
+        `where` names the step in errors and in what this rank says it is doing (the
+        trainer's "training step 3"; `step` counts evaluations too, from 0).
 
         Returns the loss of the step: the mean of the microbatch losses (weighted by `rows`,
         their row counts, when the batch split unevenly; the last stage tells the others),
@@ -140,7 +134,7 @@ class EventLoop:
         stage = self.stage
         if self.updater is not None:
             self.updater.changed = False  # (first: a step failed before it changed nothing)
-        ready, local = self._begin(step, inputs, targets, rows)
+        ready, local = self._begin(step, inputs, targets, rows, where)
         self._losses: dict[int, float | torch.Tensor] = {}  # a tensor: this stage's own
         if stage.activations is not None:
             stage.activations.begin_step()
@@ -157,14 +151,14 @@ class EventLoop:
                 self.ties.clear()
             raise
         loss = self._mean(self._losses, self.inbox.rows)
-        self.flight.now(f"reducing gradients at the end of step {step}")
+        self.flight.now(f"reducing gradients at the end of {self._where}")
         loss = self._agree(loss, train=True)  # replicas reduce first: every tie holder sums alike
         for tie in self.tied:  # each holder applies the same update: the copies stay equal
             start = self.timeline.now()
             sum_gradients(self.updater.grads.holders_of(tie.params), tie.group, self.world.waits)
             self._waited("allreduce", f"{self.stage.index}TIED", start)
         if self.updater is not None:
-            self.flight.now(f"in the optimizer step of step {step}")
+            self.flight.now(f"in the optimizer step of {self._where}")
             self._update(step)
             if self.replicas is not None:
                 start = self.timeline.now()
@@ -172,7 +166,7 @@ class EventLoop:
                 self._waited("allreduce", f"{self.stage.index}SYNC", start)
         elif self.clip is not None:
             self.clip.clip([])
-        self.flight.now(f"between steps (step {step} done)")
+        self.flight.now(f"between steps ({self._where} done)")
         if self.budget is not None:
             self.budget.set("gradients", 0, "")
         if self.replicas is not None:
@@ -185,6 +179,7 @@ class EventLoop:
         inputs: Sequence[tuple[torch.Tensor, ...]] | None,
         targets: Sequence[Any] | None,
         rows: Sequence[int] | None = None,
+        where: str | None = None,
     ) -> float:
         """Forward every microbatch without gradients; the mean loss, on every rank.
 
@@ -192,7 +187,7 @@ class EventLoop:
         messages of an evaluation never mix with those of a training step.
         """
         stage = self.stage
-        ready, local = self._begin(step, inputs, targets, rows)
+        ready, local = self._begin(step, inputs, targets, rows, where or f"evaluation {step}")
         self._eval_losses: dict[int, float] = {}
         self.inbox.begin(step, ready, local, evaluating=True)  # takes what came early
         try:
@@ -215,6 +210,7 @@ class EventLoop:
         inputs: Sequence[tuple[torch.Tensor, ...]] | None,
         targets: Sequence[Any] | None,
         rows: Sequence[int] | None,
+        where: str | None,
     ) -> tuple[Ready, dict[int, tuple[torch.Tensor, ...]]]:
         """Per-step state shared by training and evaluation; stage 0's forwards are ready
         with its local inputs."""
@@ -226,6 +222,7 @@ class EventLoop:
             raise ConfigError(f"rank {self.world.rank} holds the last stage and needs the targets")
         ready = Ready(stage.index, stage.num_stages, self.config.microbatches)
         self._step = step
+        self._where = where or f"step {step}"
         self._targets = stage.step_targets(targets) if stage.is_last else targets
         local: dict[int, tuple[torch.Tensor, ...]] = {}
         if stage.is_first:
@@ -253,14 +250,14 @@ class EventLoop:
                 idle = True
                 self._prefetch()
                 waiting = policy.waiting_for(ready) or "the step's loss"
-                self.flight.now(f"waiting to run {waiting} in step {self._step}")
+                self.flight.now(f"waiting to run {waiting} in {self._where}")
             wait = self.config.poll_s if not self.outbox.copying else 0.0005
             if self.inbox.handle(self.inbox.wait(wait), ready):
                 idle = False
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.config.timeout_s:
                 waited = time.monotonic() - last_progress
-                why = describe_wait(self.world, self._step, ready, waited, policy)
+                why = describe_wait(self.world, self._where, ready, waited, policy)
                 raise DeadlineError(why + self.inbox.pieces_missing(ready))
 
     def _share(self, mb: int) -> float | None:
@@ -270,7 +267,7 @@ class EventLoop:
         return self._rows[mb] / sum(self._rows.values())
 
     def _floats(self, losses: dict[int, Any]) -> dict[int, float]:
-        where = f"rank {self.world.rank} (stage {self.stage.index}): step {self._step}"
+        where = f"rank {self.world.rank} (stage {self.stage.index}): {self._where}"
         return as_floats(losses, self.config.microbatches, where)
 
     def _mean(self, losses: dict[int, Any], rows: dict[int, int]) -> float:
@@ -282,7 +279,7 @@ class EventLoop:
     def _run(self, action: Action, ready: Ready, policy: Policy) -> None:
         mb = action.microbatch
         kind = _KIND.get(action.kind, "forward" if policy.trains else "eval")
-        self.flight.now(f"running {action} ({kind} of microbatch {mb}) in step {self._step}")
+        self.flight.now(f"running {action} ({kind} of microbatch {mb}) in {self._where}")
         self.flight.note("run %s", action)
         if kind == "forward":
             self._forward(action, ready)
@@ -310,7 +307,7 @@ class EventLoop:
                 )
             except InputMismatch as exc:
                 raise misfit(
-                    self.world, stage.index, self._step, mb, inputs, exc.__cause__
+                    self.world, stage.index, self._where, mb, inputs, exc.__cause__
                 ) from exc.__cause__
         ready.ran("F", mb)
         self.stats.forwards += 1
@@ -433,7 +430,7 @@ class EventLoop:
     def _drain_sends(self) -> None:
         """Wait until this step's messages have left, so none is stranded at the step's end."""
         if self.transport is not None:
-            self.outbox.drain(self._step, self.config.timeout_s, self.inbox)
+            self.outbox.drain(self._where, self.config.timeout_s, self.inbox)
 
     def _agree(self, loss: float, train: bool) -> float:
         """The replicas agree on the loss, and after training on the gradients."""

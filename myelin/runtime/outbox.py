@@ -98,7 +98,7 @@ class Outbox:
             event.synchronize()
         self.flush()
 
-    def drain(self, step: int, timeout_s: float, inbox: Any) -> None:
+    def drain(self, step: str, timeout_s: float, inbox: Any) -> None:
         """Wait until this step's messages have left (the `inbox` takes what arrives
         meanwhile), so none is stranded at the step's end; then release the staging."""
         deadline = time.monotonic() + timeout_s
@@ -106,7 +106,7 @@ class Outbox:
         while self.transport.pending_sends():
             if time.monotonic() > deadline:
                 raise DeadlineError(
-                    f"rank {self.world.rank} (stage {self.stage}): step {step}'s messages "
+                    f"rank {self.world.rank} (stage {self.stage}): the messages of {step} "
                     f"were not taken by their peers within {timeout_s:.0f}s"
                 )
             inbox.handle(inbox.wait(0.001), None)

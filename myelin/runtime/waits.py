@@ -19,12 +19,13 @@ from myelin.runtime.schedule import Policy, Ready
 __all__ = ["describe_wait", "misfit"]
 
 
-def describe_wait(world: World, step: int, ready: Ready, waited: float, policy: Policy) -> str:
-    """What a rank that waited `waited` seconds in `step` was waiting for, and from whom."""
+def describe_wait(world: World, step: str, ready: Ready, waited: float, policy: Policy) -> str:
+    """What a rank that waited `waited` seconds in `step` ("training step 3") was waiting
+    for, and from whom."""
     stage, num_stages = ready.stage, ready.num_stages
     where = (
         f"rank {world.rank} (stage {stage}, replica {world.replica}) "
-        f"waited {waited:.1f}s in step {step}"
+        f"waited {waited:.1f}s in {step}"
     )
     action = policy.waiting_for(ready)
     if not policy.trains:
@@ -48,12 +49,12 @@ def describe_wait(world: World, step: int, ready: Ready, waited: float, policy: 
 
 
 def misfit(
-    world: World, stage: int, step: int, mb: int, inputs: tuple[torch.Tensor, ...], exc: Any
+    world: World, stage: int, step: str, mb: int, inputs: tuple[torch.Tensor, ...], exc: Any
 ) -> MyelinError:
     """The error for a forward that failed on what the previous stage sent, naming it."""
     got = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
     return MyelinError(
         f"rank {world.rank} (stage {stage}) could not run its forward on the activation of "
-        f"microbatch {mb} in step {step} from rank {world.peer(stage - 1)} "
+        f"microbatch {mb} in {step} from rank {world.peer(stage - 1)} "
         f"(tensors {got}): {type(exc).__name__}: {exc}"
     )

@@ -146,7 +146,7 @@ def test_wrong_activation_from_the_real_peer_fails_every_rank_fast(job, mode):
 )
 def test_wrong_activation_error_names_microbatch_source_and_mismatch(job, mode, what):
     text = job(mode).results[1]["error"]
-    for part in ("microbatch 2", "step 1", "rank 0", what):
+    for part in ("microbatch 2", "training step 2", "rank 0", what):
         assert part in text, (part, text)
 
 

@@ -14,7 +14,7 @@ def test_silent_peer_raises_deadline_naming_what_never_came(tmp_path):
     assert err["error_type"] == "DeadlineError", err
     for part in (
         "rank 0 (stage 0, replica 0)",
-        "step 0",
+        "training step 1",  # the trainer's count, from 1
         "gradient of microbatch 0",
         "from rank 1",
         "0B0",
