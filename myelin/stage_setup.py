@@ -13,6 +13,7 @@ from torch import nn
 
 from myelin import compiled, pretrained, whole
 from myelin.config import PipelineConfig
+from myelin.errors import ConfigError
 from myelin.hf.keys import saved_renames
 from myelin.placement import Tied, parameter_names, place_stage, stage_modules
 from myelin.precision import compute_dtype, keep_exact
@@ -32,6 +33,7 @@ class PreparedStage:
     state_layout: Any  # the whole model's state_dict keys by stage (whole.state_layout)
     stage_layers: list[Any]  # each stage's layers, which checkpoints move between layouts
     names: list[str]  # the trainable parameters' names in the whole model
+    frozen: list[tuple[str, nn.Parameter]]  # (name in the whole model, parameter) of the rest
     initial: list[torch.Tensor] | None  # fp32 starting values of half-precision masters
     clip: GlobalNorm | None
     dtype: torch.dtype
@@ -63,6 +65,7 @@ def prepare_stage(
     dtype = compute_dtype(precision)
     trainable = [p for p in module.parameters() if p.requires_grad]
     names = [local_names[n] for n, p in module.named_parameters() if p.requires_grad]
+    frozen = [(local_names[n], p) for n, p in module.named_parameters() if not p.requires_grad]
     # Masters start from the fp32 weights, not from their half-precision rounding.
     initial = [p.detach().clone() for p in trainable] if dtype != torch.float32 else None
     if any(p.dtype == torch.float64 for p in module.parameters()):
@@ -78,7 +81,22 @@ def prepare_stage(
         keep_exact(p, p, torch.float32 if id(p) in norms else dtype)  # (BatchNorm stays fp32)
     _cast(module, dtype)
     layers = [stage_keys(m).layers for m in stages]
-    return PreparedStage(module, tied, state_layout, layers, names, initial, clip, dtype)
+    return PreparedStage(module, tied, state_layout, layers, names, frozen, initial, clip, dtype)
+
+
+def check_still_frozen(frozen: list[tuple[str, nn.Parameter]], rank: int) -> None:
+    """Raise if a parameter frozen when the trainer was built trains now: it has no slot
+    in the optimizer (nor a master, nor a gradient sum), so it would never change."""
+    thawed = [name for name, p in frozen if p.requires_grad]
+    if thawed:
+        raise ConfigError(
+            f"rank {rank}: {len(thawed)} parameter(s) frozen when the Trainer was built now "
+            f"have requires_grad=True ({', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''}"
+            f"), but the optimizer was built over the parameters that trained then, so they "
+            f"would never change. Unfreeze before building the Trainer (a parameter frozen "
+            f"later is skipped, as torch's optimizers skip it), or save, unfreeze and build "
+            f"a new Trainer from the checkpoint"
+        )
 
 
 _NORMS = nn.modules.batchnorm._BatchNorm  # kept in fp32 under half precision (`_cast`)

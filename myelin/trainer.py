@@ -49,7 +49,7 @@ from myelin.runtime.rng import LayerStreams
 from myelin.runtime.schedule import make_policy
 from myelin.runtime.stage import Stage
 from myelin.runtime.transport import Transport, TransportConfig
-from myelin.stage_setup import prepare_stage
+from myelin.stage_setup import check_still_frozen, prepare_stage
 
 __all__ = ["PipelineConfig", "Trainer", "split_batch"]
 
@@ -207,6 +207,7 @@ class Trainer:
             compile_layer=self._compile_layer,
         )
         self.module, self._state_layout = prepared.module, prepared.state_layout
+        self._frozen = prepared.frozen  # unfreezing one later would train nothing: refused
         self.stage_layers = prepared.stage_layers  # what checkpoints move between layouts
         tied, clip, dtype = prepared.tied, prepared.clip, prepared.dtype
         self._memory = memory = build_memory(
@@ -238,21 +239,16 @@ class Trainer:
         self.streams = LayerStreams(
             self.seed, world.replica, layer_modules(self.module), world.device
         )
-        stage = Stage(
-            self.module,
-            world.stage,
-            cfg.stages,
-            world.device,
-            loss_fn,
-            memory.activations,
-            dtype,
-            streams=self.streams,
-        )
+        stage = Stage(self.module, world.stage, cfg.stages, world.device, loss_fn,
+                      memory.activations, dtype, streams=self.streams)  # fmt: skip
         self.timeline = Timeline.of_profile(self._profile, world.rank, world.stage, world.device)
         trains = self.updater is not None  # a stage without an optimizer has nothing to agree
         params = [p for p in self.module.parameters() if p.requires_grad and trains]
         context = Context(world, params, float(cfg.timeout), self.timeline, cfg.transport,
                           self.optimizer, tied)  # fmt: skip
+        if self.updater is not None:  # what a strategy moves: the masters, if not the params
+            link = self.updater.link
+            context.moved, context.publish = link.moved(params), link.publish
         self.replicas = cfg.sync.build(context)  # how replicas agree (myelin/replicas/)
         self._buffers = ReplicaBuffers(self.module, world)  # equal when the model is read
         self.loop = EventLoop(
@@ -261,11 +257,8 @@ class Trainer:
             self.transport,
             make_policy(cfg.schedule, cfg.inflight),
             self.updater,
-            LoopConfig(
-                microbatches=cfg.microbatches,
-                timeout_s=float(cfg.timeout),
-                tied_grads=cfg.tied_grads,
-            ),
+            LoopConfig(microbatches=cfg.microbatches, timeout_s=float(cfg.timeout),
+                       tied_grads=cfg.tied_grads),  # fmt: skip
             self.timeline,
             tied=tied,
             budget=self.budget,
@@ -389,10 +382,15 @@ class Trainer:
         mb_inputs, mb_targets, rows = split_step(inputs, targets, self.config.microbatches)
         self._failures.enter(where)
         saved = retry.savepoint(self)  # one rank alone forgets a step its update had not begun
+        training = run == self.loop.run_step
+        if training and self.updater is not None:
+            self.updater.changed = False  # (nothing of this step is changed yet)
         try:
+            if training:  # (inside: the peers are told, as of any failed step)
+                check_still_frozen(self._frozen, self.world.rank)
             loss = run(self.seq, mb_inputs, mb_targets, rows, where)
         except BaseException as exc:
-            forgotten = retry.forget_step(self, saved, exc, training=run == self.loop.run_step)
+            forgotten = retry.forget_step(self, saved, exc, training=training)
             self._failures.raise_failed(exc, where, forgotten)
         self.seq += 1
         return loss
@@ -464,6 +462,8 @@ class Trainer:
         """While open, this stage's parameters hold what the model is under `sync`, and its
         buffers replica 0's on every replica (myelin/replicas/buffers.py); every rank must
         open it, as evaluation, state_dict() and save() do."""
+        if self.updater is not None:  # parameters the user edited: their masters first
+            self.updater.link.adopt_edits()
         view = self.replicas.model_view() if self.replicas else contextlib.nullcontext()
         with view, self._buffers.equal():
             yield

@@ -574,3 +574,52 @@ def test_inputs_as_a_dict_are_refused_saying_to_pass_a_tuple():
         x, y = batches(1)[0]
         with pytest.raises(ConfigError, match="inputs is a dict; pass a tensor or a tuple"):
             t.step({"x": x}, y)
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("offload", [None, HOST], ids=["device", "host"])
+def test_a_parameter_edited_in_place_between_steps_reaches_its_master(precision, offload):
+    """Zeroing the head under no_grad, as in fp32: state_dict() holds the zeros, and the
+    next step starts from them (the masters had kept the old weights, which the next
+    update copied back). Equal to a trainer built from the edited model."""
+    data = batches(2)
+    model = mlp()
+    with Trainer(model, SGD, F.cross_entropy, microbatches=2, precision=precision,
+                 offload=offload) as t:  # fmt: skip
+        t.step(*data[0])
+        with torch.no_grad():
+            t.module[5].weight.zero_()
+        edited = t.state_dict()
+        t.step(*data[1])
+        after = t.state_dict()
+    assert torch.equal(edited["5.weight"], torch.zeros_like(edited["5.weight"]))
+    fresh = mlp()
+    fresh.load_state_dict(edited)
+    with Trainer(fresh, SGD, F.cross_entropy, microbatches=2, precision=precision,
+                 offload=offload) as t:  # fmt: skip
+        t.step(*data[1])
+        want = t.state_dict()
+    for k, v in want.items():
+        assert torch.equal(after[k], v), k
+
+
+def test_a_parameter_unfrozen_after_the_trainer_was_built_is_refused_naming_it():
+    """The optimizer was built over the parameters that trained then: an unfrozen one
+    would never change (it stayed at its value, silently). Frozen later is fine."""
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    with Trainer(model, SGD, F.cross_entropy, microbatches=2) as t:
+        x, y = batches(1)[0]
+        t.step(x, y)
+        model[5].bias.requires_grad_(False)  # frozen later: skipped, as torch's SGD skips it
+        t.step(x, y)
+        model[0].weight.requires_grad_(True)
+        before = t.state_dict()
+        with pytest.raises(ConfigError, match=r"frozen when the Trainer was built .*0\.weight"):
+            t.step(x, y)
+        model[0].weight.requires_grad_(False)  # the step was forgotten: the trainer goes on
+        t.step(x, y)
+        assert torch.equal(t.state_dict()["0.weight"], before["0.weight"])

@@ -32,6 +32,7 @@ from myelin.offload.buckets import buckets
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.factory import build_optimizer
 from myelin.offload.gradients import Gradients
+from myelin.offload.masters import MasterLink
 from myelin.offload.pool import HostPool
 from myelin.offload.state_homes import StateHomes
 from myelin.offload.streaming import Streamer, is_paged, nbytes
@@ -81,6 +82,7 @@ class Updater:
         # "host" on a CPU in fp32: parameters and gradients are host memory; state goes alone
         self._in_place = mode == "host" and self.device.type == "cpu" and not self.half
         self.masters = self._make_masters(initial or [p.detach() for p in params])
+        self.link = MasterLink(params, self.masters, self._synchronize)  # edits, strategies
         names = names if names is not None else [f"param{i}" for i in range(len(params))]
         self.optimizer = build_optimizer(factory, self.masters, names, where)
         if mode == "host" and self.device.type == "cuda":
@@ -166,6 +168,7 @@ class Updater:
         """Update the parameters from their gradients; False if fp16 overflowed and the
         step was skipped (on every rank)."""
         self._armed = False
+        self.link.adopt_edits()  # a parameter the user edited since the last step
         if (self.mode == "device" or self._in_place) and not self.half:
             if self.clip is not None:
                 self.clip.clip([p.grad for p in self.params])
@@ -180,6 +183,7 @@ class Updater:
             return False
         self.zero_grad()
         self._account()
+        self.link.noted()
         return True
 
     def _step_masters(self) -> bool:
@@ -406,28 +410,32 @@ class Updater:
             elif self.masters is not self.params:  # fp32 masters are the parameters' values
                 for p, m in zip(self.params, self.masters, strict=True):
                     m.copy_(p)
+        self.link.noted()
         if self.scaler is not None and state.get("loss_scale") is not None:
             self.scaler.load_state_dict(state["loss_scale"])
         if self.mode != "device":
             self._adopt_state(list(range(len(self.masters))))
         self._account(fresh=True)
 
+    def _synchronize(self) -> None:
+        if self._stream is not None:  # copies to or from the masters may be in flight
+            self._stream.synchronize()
+
     def master_weights(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> the fp32 weights the optimizer steps for it (the master copy;
         the parameter itself when it trains in fp32 on the device)."""
-        if self._stream is not None:  # copies to or from the masters may be in flight
-            self._stream.synchronize()
+        self._synchronize()
         return {id(p): m.detach() for p, m in zip(self.params, self.masters, strict=True)}
 
     def sync_from_params(self) -> None:
         """Masters take the parameters' values (after the parameters were loaded)."""
         if self.masters is self.params:
             return
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._synchronize()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
                 m.copy_(p)
+        self.link.noted()
 
 
 def _values(g: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ evaluation, `state_dict()` and checkpoints use.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,9 @@ class Context:
     # that check which optimizers they can run (Hogbatch: plain SGD)
     tied: Sequence[Any] = ()  # runtime/tied.Tied: this stage's parameters other stages hold
     # too, which a strategy that moves parameters keeps equal (runtime/tied.equalise)
+    moved: Sequence[torch.Tensor] | None = None  # the fp32 masters of `params`, where the
+    # optimizer steps copies (half precision, optimizer offload): what a strategy moves
+    publish: Callable[[], None] | None = None  # the parameters take the masters' values
 
 
 class Strategy:

@@ -41,10 +41,10 @@ def check_supported(
     max_grad_norm: float | None = None,
     microbatches: int = 1,
 ) -> None:
-    """DASO and EASGD move the parameters outside the optimizer: fp32 masters on the
-    device only, for now (an offloaded or half-precision master would not see it).
-    Hogbatch's workers train fp32 copies of the whole model with plain SGD steps: no
-    offload, no half precision, no clipping by a global norm, no microbatches."""
+    """DASO and EASGD move the fp32 masters (replicas/flat.py), which the parameters
+    follow: MEASGD's velocity would coast through fp16's skipped steps. Hogbatch's workers
+    train fp32 copies of the whole model with plain SGD steps: no offload, no half
+    precision, no clipping by a global norm, no microbatches."""
     if sync.name == "allreduce":
         return
     if sync.name == "hogbatch":
@@ -68,9 +68,9 @@ def check_supported(
                     f"{field} at its default ({plain!r})"
                 )
         return
-    if optimizer_offload or precision != "fp32":
+    if getattr(sync, "momentum", 0.0) and precision == "fp16":
         raise ConfigError(
-            f"sync={type(sync).__name__}(...) changes the parameters outside the optimizer and "
-            f"needs precision='fp32' without optimizer offload (got precision={precision!r}, "
-            f"optimizer offload={optimizer_offload})"
+            f"sync=EASGD(momentum={sync.momentum}) with precision='fp16': MEASGD's velocity "
+            f"would coast through the steps fp16's loss scaling skips; use precision='bf16' "
+            f"(no loss scaling) or 'fp32'"
         )

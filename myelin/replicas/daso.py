@@ -49,7 +49,7 @@ from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import DOWNCAST, Collectives, summable
 from myelin.replicas.daso_ops import chunks, make_groups, merge_stale
 from myelin.replicas.daso_schedule import Average, DasoSchedule, Merge, Send
-from myelin.replicas.flat import flatten, holding, unflatten
+from myelin.replicas.flat import flatten, holding, moved_weights, unflatten
 from myelin.runtime.tied import equalise
 
 __all__ = ["DASO", "DasoReplicas", "merge_stale", "node_size_for"]
@@ -139,7 +139,8 @@ class DasoReplicas(Strategy):
     def __init__(self, spec: DASO, ctx: Context) -> None:
         world = self.world = ctx.world
         layout = world.layout
-        self.spec, self.params, self.tied = spec, ctx.params, list(ctx.tied)
+        self.spec, self.tied = spec, list(ctx.tied)
+        self.params, self._moved, self.publish = moved_weights(ctx, "DASO")
         self.replicas = layout.data_parallel
         self.g = node_size_for(spec, layout.stages, self.replicas)
         self.nodes = self.replicas // self.g
@@ -280,7 +281,8 @@ class DasoReplicas(Strategy):
             total, wait = self._finish(ev.id)
             merge_stale(self.params, total, wait, self.nodes)
         self._broadcast(ev.group)
-        equalise(self.tied, self.world)  # each stage's sum rounded its tied copy its way
+        equalise(self.tied, self.world, self._moved)  # each stage's sum rounds its own
+        self.publish()
 
     def _average(self, ev: Average) -> None:
         """Blocking: the sender group takes the plain average, then every node copies it."""
@@ -289,7 +291,8 @@ class DasoReplicas(Strategy):
             avg = total / self.nodes
             unflatten(avg, self.params)
         self._broadcast(ev.group)
-        equalise(self.tied, self.world)
+        equalise(self.tied, self.world, self._moved)
+        self.publish()
         self.synced = flatten(self.params)
 
     @contextlib.contextmanager
@@ -300,7 +303,7 @@ class DasoReplicas(Strategy):
             return
         self._viewing = True
         try:
-            with holding(self.params, self.synced) as own:
+            with holding(self.params, self.synced, self.publish) as own:
                 self._own = own  # what a save inside the view keeps as this rank's
                 yield
         finally:
@@ -385,6 +388,7 @@ class DasoReplicas(Strategy):
         if state["schedule"] is not None:
             self._sched().load_state_dict(state["schedule"])
         unflatten(state["local"], self.params)
+        self.publish()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.pending = {
             int(k): ([], [v["sum"].to(device)], int(v["wait"])) for k, v in state["pending"].items()

@@ -48,7 +48,7 @@ import torch
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy, own_state
 from myelin.replicas.collectives import DOWNCAST, Collectives, summable
-from myelin.replicas.flat import flatten, holding, unflatten
+from myelin.replicas.flat import flatten, holding, moved_weights, unflatten
 from myelin.runtime.tied import equalise
 
 __all__ = ["EASGD", "EasgdReplicas", "MODES", "check_local_sgd"]
@@ -153,7 +153,8 @@ class EasgdReplicas(Strategy):
         if spec.momentum and ctx.optimizer is not None:
             check_local_sgd(spec, ctx.optimizer)  # before any work: the reason, not a wrong run
         world = self.world = ctx.world
-        self.spec, self.params, self.tied = spec, ctx.params, list(ctx.tied)
+        self.spec, self.tied = spec, list(ctx.tied)
+        self.params, self._moved, self.publish = moved_weights(ctx, "EASGD")
         self.replicas, self.replica = world.layout.data_parallel, world.replica
         self.alpha = spec.moving_rate(self.replicas)
         self.group = world.dp_group
@@ -235,11 +236,11 @@ class EasgdReplicas(Strategy):
             for (a, b), v in zip(spans, kept, strict=True):  # no gradient: neither moves
                 self.velocity[a:b], x[a:b] = v, self._before[a:b]
             unflatten(x, self.params)
-        if self._pull is None:
-            return
-        # e = alpha (x_i - x~), taken before the step
-        unflatten(flatten(self.params).sub_(self._pull), self.params)
-        equalise(self.tied, self.world)  # each stage's center pulled its tied copy its way
+        if self._pull is not None:  # e = alpha (x_i - x~), taken before the step
+            unflatten(flatten(self.params).sub_(self._pull), self.params)
+            equalise(self.tied, self.world, self._moved)  # each stage's pull rounds its own
+        if self.velocity is not None or self._pull is not None:
+            self.publish()
 
     def _spans(self, indices: list[int]) -> list[tuple[int, int]]:
         """Where the parameters at `indices` lie in the flat vectors."""
@@ -322,9 +323,11 @@ class EasgdReplicas(Strategy):
             return
         self._viewing = True
         try:
-            with holding(self.params, self.agreed_center()) as own:
+            with holding(self.params, self.agreed_center(), self.publish) as own:
                 self._own = own  # what a save inside the view keeps as this rank's
-                equalise(self.tied, self.world)  # a tied weight: the first holder's center
+                if self.tied:  # a tied weight: the first holder's center
+                    equalise(self.tied, self.world, self._moved)
+                    self.publish()
                 yield
         finally:
             self._viewing = False
@@ -353,6 +356,7 @@ class EasgdReplicas(Strategy):
                 self.velocity.zero_()
             return
         unflatten(own["local"], self.params)
+        self.publish()
         self.t, self.exchanges = int(own["t"]), int(own["exchanges"])
         if self.velocity is not None and "velocity" in own:
             self.velocity.copy_(own["velocity"])

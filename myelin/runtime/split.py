@@ -144,8 +144,10 @@ def _differentiable(out: Any) -> bool:
 
 
 def _deferrable(x: Any, weight: Any, never: set[int]) -> bool:
-    """A linear whose dW can wait: a 2-D trainable leaf weight, an input of 2 or more
-    dimensions, no autocast (its casts would change what the backward computes)."""
+    """A linear whose dW can wait: a 2-D trainable leaf weight without gradient hooks of
+    its own (`weight.register_hook(fn)` would be called with the I half's None, where torch
+    never passes one), an input of 2 or more dimensions, no autocast (its casts would
+    change what the backward computes)."""
     return (
         isinstance(x, torch.Tensor)
         and x.dim() >= 2
@@ -154,6 +156,7 @@ def _deferrable(x: Any, weight: Any, never: set[int]) -> bool:
         and weight.requires_grad
         and weight.grad_fn is None
         and weight.dim() == 2
+        and not weight._backward_hooks
         and id(weight) not in never
     )
 

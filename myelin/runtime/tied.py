@@ -38,13 +38,15 @@ class Tied(NamedTuple):
     keys: list[int]  # each parameter's position in the whole model's parameter order
 
 
-def equalise(tied: list[Tied], world: Any) -> None:
+def equalise(tied: list[Tied], world: Any, moved: dict[int, torch.Tensor] | None = None) -> None:
     """Every holder's trainable tied copies take the first holder's values (one bounded
     broadcast per tie). For strategies that move each stage's parameters apart from the
     optimizer (EASGD's pulls, DASO's averages): each stage's collective (or hub slot)
-    rounds, or orders, its copy differently, and a tied weight must stay one weight."""
+    rounds, or orders, its copy differently, and a tied weight must stay one weight.
+    `moved`: the tensor a strategy moves for a parameter (its fp32 master), by id."""
     for tie in tied:
         params = [p for p in tie.params if p.requires_grad]
+        params = [moved.get(id(p), p) for p in params] if moved else params
         if not params:  # frozen on every holder alike: never moved
             continue
         flat = torch.cat([p.detach().reshape(-1) for p in params])

@@ -45,13 +45,13 @@ def test_sync_settings_are_checked_before_any_work():
     myelin.PipelineConfig(data_parallel=4, sync=myelin.EASGD(alpha=0.39))  # 1.95: stable
     with pytest.raises(myelin.ConfigError, match=r"DASO\(stability_level=2\)"):
         myelin.DASO(stability_level=2)
-    with pytest.raises(myelin.ConfigError, match="precision='fp32'"):
+    with pytest.raises(myelin.ConfigError, match=r"fp16's loss scaling skips"):
         myelin.Trainer(
             torch.nn.Linear(2, 2),
             torch.optim.SGD,
             torch.nn.functional.mse_loss,
-            sync="easgd",
-            precision="bf16",
+            sync=myelin.EASGD(momentum=0.9),
+            precision="fp16",
         )
     with pytest.raises(myelin.ConfigError, match=r"AllReduce\(bucket_mb=0\) must be > 0"):
         myelin.AllReduce(bucket_mb=0)
@@ -122,7 +122,7 @@ def test_measgd_momentum_needs_the_local_sgd_update(optimizer, got):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """One 2-rank job: DASO at its edges, and with a parameter left without a gradient."""
-    cases = ["daso_edges", "daso_unused", "bn_buffers", "save_in_view"]
+    cases = ["daso_edges", "daso_unused", "bn_buffers", "save_in_view", "half"]
     job = launch(2, "replicas.py", cases, tmp_path_factory.mktemp("two"), timeout=240)
     assert job.returncode == 0, job.output[-4000:]
     return job.results
@@ -461,7 +461,8 @@ def test_a_weight_tied_across_stages_stays_one_weight(four):
     """Async EASGD's hub serves each stage's slot in its own order, and each stage's
     reduction rounds its own way: the holders' copies stay bit-identical all the same."""
     for r in four.values():
-        assert r["tied"] == {"async_ordered": True, "allreduce_skewed": True}
+        assert r["tied"] == {"async_ordered": True, "async_ordered_bf16": True,
+                             "allreduce_skewed": True}  # fmt: skip
 
 
 @pytest.mark.slow  # 8 ranks, 5 trainers and 2 hubs: about 40 s on 2 cores
@@ -509,3 +510,17 @@ def test_measgd_leaves_a_parameter_without_a_gradient_where_it_is():
         assert torch.equal(t.module.side.weight, idle)
         for mine, theirs in zip(t.module.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_easgd_and_daso_under_bf16_move_the_fp32_masters_the_model_follows(two):
+    """Sync EASGD's pulls land in the masters (the next optimizer step copied the masters
+    over a pull made on the bf16 weights), equal to a one-process reference; the model
+    read is the center; DASO's averages leave every replica's masters equal."""
+    for rank in (0, 1):
+        e, d = two[rank]["half"]["easgd"], two[rank]["half"]["daso"]
+        assert e == {"masters_equal": True, "model_is_masters_rounded": True,
+                     "center_equal": True, "replicas_differ": True, "view_is_center": True,
+                     "own_back": True}, (rank, e)  # fmt: skip
+        assert d["equal_at_sync"] and all(d["equal_at_sync"]), d
+        assert d["model_is_masters_rounded"]
+        assert "fp16's loss scaling skips" in two[rank]["half"]["fp16_momentum"]

@@ -141,3 +141,24 @@ def test_a_non_reentrant_checkpoint_region_stays_in_i(width):
     split.run(0)
     for got, expected in zip((a.weight.grad, b.weight.grad, out.weight.grad), want, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_a_weight_with_a_gradient_hook_of_its_own_stays_in_i():
+    """`weight.register_hook(fn)`: torch calls fn with the weight's gradient, never None;
+    deferred, the I half called it with None (a hook that clamps crashed the step)."""
+    plain, split = Mixed(), Mixed()
+    seen = []
+    for model in (plain, split):
+        model.a.weight.register_hook(lambda g: (seen.append(g is None), g.clamp(-0.01, 0.01))[1])
+    parts = SplitBackward()
+    idx = _batches(1)[0]
+    plain(idx).square().mean().backward()
+    with parts.recording(0):
+        loss = split(idx).square().mean()
+    with parts.backward(0, split=True):
+        loss.backward()
+    assert split.a.weight.grad is not None and split.b.weight.grad is None  # b still waits
+    parts.run(0)
+    assert seen == [False, False]
+    for (name, p), q in zip(plain.named_parameters(), split.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

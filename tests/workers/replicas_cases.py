@@ -211,7 +211,7 @@ class _Head(torch.nn.Module):
         return self.proj(x)
 
 
-def tied_trainer(sync):
+def tied_trainer(sync, precision="fp32"):
     """2 stages x (world / 2) replicas of a model whose embedding is tied to its head."""
     torch.manual_seed(0)
     emb = torch.nn.Embedding(VOCAB, WIDTH)
@@ -223,7 +223,8 @@ def tied_trainer(sync):
     dp = int(os.environ["WORLD_SIZE"]) // 2
     opt = functools.partial(torch.optim.SGD, lr=0.5)
     return myelin.Trainer(model, opt, loss, stages=2, partition=[2, 2], data_parallel=dp,
-                          microbatches=2, sync=sync, timeout=60)  # fmt: skip
+                          microbatches=2, sync=sync, timeout=60,
+                          precision=precision)  # fmt: skip
 
 
 def tied_copies(t, steps=3):
@@ -234,9 +235,14 @@ def tied_copies(t, steps=3):
         x, y = (torch.randint(0, VOCAB, (4, 6), generator=g) for _ in range(2))
         t.step(x, y)
     tied = next(p for p in t.module.parameters() if p.shape == (VOCAB, WIDTH))
-    own = tied.detach().clone()
+    master = (t.updater.link.moved([tied]) or [tied])[0]  # its fp32 master under bf16
+
+    def copies():
+        return torch.cat([tied.detach().float().reshape(-1), master.detach().reshape(-1)])
+
+    own = copies()
     with t.model_view():
-        view = tied.detach().clone()
+        view = copies()
     mine = torch.cat([own.reshape(-1), view.reshape(-1)])
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -263,18 +269,14 @@ class Skewed(myelin.AllReduce):
         return inner
 
 
-def case_tied(out):
-    """4 ranks (2 stages x 2 replicas), a tied embedding: each replica's copies stay
-    bit-identical under async EASGD with the hub serving stage 0's slot in the other
-    replica order than stage 1's (forced through the store), and under an AllReduce whose
-    reduction rounds each stage its own way (the tied gradients are summed after it)."""
-    res = {}
-    t = tied_trainer(myelin.EASGD(tau=1, alpha=0.3, mode="async"))
+def _serve_stages_in_other_orders(t, tag):
+    """The hub takes stage 0's exchanges from replica 1 first and stage 1's from replica
+    0 first (forced through the store)."""
     hub, store, count = t.replicas.hub, t.world.store, [0]
-    exchange, first = hub.exchange, 1 - t.stage  # stage 0: replica 1 first; stage 1: 0
+    exchange, first = hub.exchange, 1 - t.stage
 
     def ordered(x, alpha):
-        key = f"tied-order/{t.stage}/{count[0]}"
+        key = f"tied-order/{tag}/{t.stage}/{count[0]}"
         count[0] += 1
         if t.replica != first:
             store.wait([key], timedelta(seconds=60))
@@ -284,8 +286,19 @@ def case_tied(out):
         return old
 
     hub.exchange = ordered
-    res["async_ordered"] = tied_copies(t)
-    t.close()
+
+
+def case_tied(out):
+    """4 ranks (2 stages x 2 replicas), a tied embedding: each replica's copies stay
+    bit-identical under async EASGD with the hub serving stage 0's slot in the other
+    replica order than stage 1's (forced through the store), and under an AllReduce whose
+    reduction rounds each stage its own way (the tied gradients are summed after it)."""
+    res = {}
+    for precision in ("fp32", "bf16"):  # bf16: the fp32 masters are what is made equal
+        t = tied_trainer(myelin.EASGD(tau=1, alpha=0.3, mode="async"), precision)
+        _serve_stages_in_other_orders(t, precision)
+        res["async_ordered" + ("" if precision == "fp32" else "_bf16")] = tied_copies(t)
+        t.close()
     t = tied_trainer(Skewed())
     res["allreduce_skewed"] = tied_copies(t)
     t.close()
@@ -457,4 +470,93 @@ def case_save_in_view(out):
         res[name] = {"differ": not torch.equal(own, viewed),
                      "resumed_own": torch.equal(resumed, own)}  # fmt: skip
         t.close()
+    return res
+
+
+def _bf16_reference(replicas, steps, alpha, lr=0.05):
+    """Sync EASGD (tau = 1) under bf16 in one process: each replica's fp32 masters step by
+    SGD on the fp32 sum of its bf16 model's gradients, the elastic pull moves the masters,
+    and the bf16 model is the masters rounded. Returns each replica's masters, the center."""
+    models = [build().to(torch.bfloat16) for _ in range(replicas)]
+    masters = [[p.detach().float().clone() for p in build().parameters()] for _ in models]
+    center = torch.cat([m.reshape(-1) for m in masters[0]])
+    last = None  # the previous round's sum of x_i, taken into the center at the next one
+
+    def cat(ms):
+        return torch.cat([m.reshape(-1) for m in ms])
+
+    for s in range(steps):
+        if last is not None:
+            center = center + alpha * (last - replicas * center)
+        xs = [cat(ms) for ms in masters]
+        last = xs[0].clone()
+        for x in xs[1:]:
+            last = last + x
+        for r, (model, ms) in enumerate(zip(models, masters)):
+            x, y = batch(r, s)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            pull = alpha * (xs[r] - center)
+            for p, m in zip(model.parameters(), ms):
+                m.sub_(p.grad.float(), alpha=lr)
+            flat_x = cat(ms).sub_(pull)
+            offset = 0
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), ms):
+                    m.copy_(flat_x[offset : offset + m.numel()].view_as(m))
+                    p.copy_(m)
+                    offset += m.numel()
+    center = center + alpha * (last - replicas * center)  # the last round, as `center` reads
+    return [cat(ms) for ms in masters], center
+
+
+def case_half(out):
+    """bf16 (and fp16 without momentum): sync EASGD's pulls move the fp32 masters, which
+    the bf16 model follows, exactly as a one-process reference; DASO's blocking averages
+    leave every replica's masters equal (before, both strategies refused half precision).
+    """
+    rank = int(os.environ["RANK"])
+    res = {}
+    opt = functools.partial(torch.optim.SGD, lr=0.05)
+
+    def made(sync, precision="bf16"):
+        return myelin.Trainer(build(), opt, torch.nn.functional.mse_loss, data_parallel=2,
+                              sync=sync, timeout=60, precision=precision)  # fmt: skip
+
+    t = made(myelin.EASGD(tau=1, alpha=0.2, mode="sync"))
+    for s in range(4):
+        t.step(*batch(rank, s))
+    mine = flat(t.module).float()
+    masters = torch.cat([m.reshape(-1) for m in t.updater.masters])
+    want, center = _bf16_reference(2, 4, 0.2)
+    res["easgd"] = {
+        "masters_equal": torch.equal(masters, want[rank]),
+        "model_is_masters_rounded": torch.equal(mine, masters.bfloat16().float()),
+        "center_equal": torch.allclose(t.replicas.center, center, rtol=0, atol=1e-7),
+        "replicas_differ": not torch.equal(want[0], want[1]),
+    }
+    with t.model_view():  # the model read is the center, rounded; the masters hold it
+        viewed = flat(t.module).float()
+    res["easgd"]["view_is_center"] = torch.equal(viewed, t.replicas.center.bfloat16().float())
+    res["easgd"]["own_back"] = torch.equal(flat(t.module).float(), mine)
+    t.close()
+    daso = myelin.DASO(node_size=1, epoch_steps=2, warmup_epochs=0, cooldown_epochs=1,
+                       total_epochs=2, downcast="fp32")  # fmt: skip
+    t = made(daso)
+    equal_at_sync = []
+    for s in range(4):
+        t.step(*batch(rank, s))
+        if any(type(ev).__name__ == "Average" for ev in t.replicas.last_events):
+            m = torch.cat([x.reshape(-1) for x in t.updater.masters])
+            both = gather_list(m)
+            equal_at_sync.append(torch.equal(both[0], both[1]))
+    masters = torch.cat([x.reshape(-1) for x in t.updater.masters])
+    rounded = torch.equal(flat(t.module).float(), masters.bfloat16().float())
+    res["daso"] = {"equal_at_sync": equal_at_sync, "model_is_masters_rounded": rounded}
+    t.close()
+    try:
+        made(myelin.EASGD(momentum=0.5), precision="fp16").close()
+        res["fp16_momentum"] = "accepted"
+    except myelin.ConfigError as exc:
+        res["fp16_momentum"] = str(exc)
     return res
