@@ -35,6 +35,7 @@ from torch import nn
 from myelin import checkpoint_versions as versions
 from myelin import reshard
 from myelin.atomic import write_atomic
+from myelin.checkpoint_extra import check_extra
 from myelin.errors import CheckpointError, ConfigError
 from myelin.offload.optimizer import Updater
 from myelin.runtime.group import World
@@ -75,6 +76,7 @@ class Checkpointable(Protocol):
     steps_done: int  # training steps
     seconds_trained: float  # fit's time so far (a time budget's share goes on after a resume)
     seq: int  # training and evaluation steps: the step number the next messages carry
+    checkpoint_version: Path | None  # the version last loaded or saved (pruning keeps its line)
     # (optional) replicas: the running replica strategy, whose state and model view count
 
 
@@ -82,6 +84,7 @@ def save(
     trainer: Checkpointable, path: str | os.PathLike, extra: dict[str, Any] | None = None
 ) -> Path:
     """Write this rank's shard, then (rank 0) the manifest; every rank must call it."""
+    check_extra(extra)  # before anything is written: a shard resume cannot read loses all
     root = Path(path)
     world = trainer.world
     version = versions.new_name(root, trainer.steps_done)
@@ -126,8 +129,11 @@ def save(
         text = json.dumps(manifest, indent=1).encode()
         _atomic_write(vdir / "manifest.json", lambda f: f.write(text))
         _atomic_write(root / "latest", lambda f: f.write(version.encode()))
-        versions.prune(root, version)
+        base = trainer.checkpoint_version  # the line this run continues, if in this folder
+        mine = base is not None and base.resolve().parent == root.resolve()
+        versions.prune(root, version, base.name if mine else None)
     _barrier(world)
+    trainer.checkpoint_version = vdir
     return vdir
 
 
@@ -184,6 +190,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
     trainer.steps_done = first["steps_done"]
     trainer.seconds_trained = first.get("seconds_trained", 0.0)  # (absent: an older one)
     trainer.seq = first["seq"]
+    trainer.checkpoint_version = vdir  # the line a later save in its folder continues
     return first["extra"]
 
 
@@ -265,7 +272,7 @@ def _read_shard(vdir: Path, manifest: dict[str, Any], rank: int) -> dict[str, An
     except Exception as exc:  # noqa: BLE001 (torch raises many kinds for a file not its own)
         raise CheckpointError(
             f"{shard_file} is not a myelin shard torch can read with weights_only=True: "
-            f"{type(exc).__name__}: {str(exc)[:300]}"
+            f"{type(exc).__name__}: {exc}"
         ) from None
     needed = _SHARD_KEYS[manifest["format"]]
     missing = [k for k in needed if not isinstance(shard, dict) or k not in shard]

@@ -23,16 +23,21 @@ def new_name(root: Path, steps: int) -> str:
     return f"{name}.{order[1] + 1}"
 
 
-def prune(root: Path, keep: str) -> None:
-    """Keep `keep` and the KEEP - 1 versions before it; remove the rest, versions past it
-    included (a run resumed from an older version abandoned them)."""
+def prune(root: Path, keep: str, base: str | None = None) -> None:
+    """Keep `keep` and the KEEP - 1 versions before it on its run's line; remove the rest.
+    `base`: the version this run last loaded or saved in `root`; versions after it but
+    `keep` are another line's (a run resumed from an older version abandoned them), as
+    are versions past `keep`."""
     found = sorted(
         (order, p) for p in root.glob("step-*") if p.is_dir() and (order := _order(p.name))
     )
     mine = _order(keep)
-    older = [p for order, p in found if order < mine]
-    newer = [p for order, p in found if order > mine]
-    for old in older[: max(0, len(older) - (KEEP - 1))] + newer:
+    floor = _order(base) if base is not None else None
+    if floor is None or floor > mine:
+        floor = mine
+    older = [p for order, p in found if order < mine and order <= floor]
+    abandoned = [p for order, p in found if order > mine or floor < order < mine]
+    for old in older[: max(0, len(older) - (KEEP - 1))] + abandoned:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -177,6 +177,9 @@ def fit(
     for hook in hooks:
         hook.on_fit_start(trainer, first, final)
     start, before = time.monotonic(), trainer.seconds_trained
+    if hasattr(scheduler, "resume_at") and first:  # resumed, or a second fit: the rate
+        timed = before / (before + max_seconds) if max_seconds else 0.0  # of where it is
+        scheduler.resume_at(max(first / final if final else 0.0, timed))
     try:
         if eval_first and eval_loader is not None:
             history.append(

@@ -52,6 +52,8 @@ class _Rank:
     stopped: bool = False  # it was still running when the launcher stopped the job
     flight: list[str] = field(default_factory=list)  # flight records it reported
     failed: int = 0  # it said it raised an error (and is on its way out): 1 told first, ...
+    joining: bool = False  # it entered the world's rendezvous (a Trainer being built)
+    joined: bool = False  # it got through it
 
 
 def launch(
@@ -177,11 +179,23 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
                     r.stopped = True
                     _signal_group(r.proc.pid, signal.SIGKILL)
         running = [r for r in ranks if r.code is None]
-        if caught or exited or not running:
+        stranded = _stranded(ranks)
+        if caught or exited or not running or stranded:
             break
         time.sleep(_POLL_S)
     _stop(ranks, grace_s, signal.SIGINT if caught else signal.SIGTERM)
     _read_reports(ranks, reader, pending)
+    if stranded and not caught and first is None:
+        gone, waiting = stranded
+        print(
+            f"myelin run: rank {gone.rank} exited (code {gone.code}) without joining the "
+            f"world that rank{'s' if len(waiting) > 1 else ''} "
+            f"{', '.join(str(r.rank) for r in waiting)} waited in, to build a Trainer (every "
+            f"rank must build it); {_stopped(ranks)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     if caught:
         signum = caught[0]
         print(f"myelin run: interrupted ({signal.Signals(signum).name}); {_stopped(ranks)}",
@@ -197,6 +211,14 @@ def _supervise(ranks: list[_Rank], reader: int, caught: list[int], grace_s: floa
         flush=True,
     )
     return first.code if first.code is not None and 0 < first.code < 256 else 1
+
+
+def _stranded(ranks: list[_Rank]) -> tuple[_Rank, list[_Rank]] | None:
+    """(a rank that ended well without joining the world, the ranks waiting in its
+    rendezvous), which can never complete without it; None when there is no such pair."""
+    gone = [r for r in ranks if r.code == 0 and not r.joined]
+    waiting = [r for r in ranks if r.code is None and r.joining and not r.joined]
+    return (gone[0], waiting) if gone and waiting else None
 
 
 def _first(told: list[_Rank], exited: list[_Rank]) -> _Rank:
@@ -242,7 +264,8 @@ def _signal_group(pid: int, signum: int) -> None:
 
 
 def _read_reports(ranks: list[_Rank], reader: int, pending: bytes) -> bytes:
-    """Take the lines ranks wrote to the pipe: `flight RANK PATH`, `failed RANK`."""
+    """Take the lines ranks wrote to the pipe: `flight RANK PATH`, `failed RANK`,
+    `joining RANK` and `joined RANK` (around the world's rendezvous)."""
     while True:
         try:
             chunk = os.read(reader, 65536)
@@ -257,6 +280,9 @@ def _read_reports(ranks: list[_Rank], reader: int, pending: bytes) -> bytes:
         rank, _, path = rest.partition(" ")
         if kind == "failed" and rank.isdigit() and int(rank) < len(ranks):
             ranks[int(rank)].failed = 1 + max(r.failed for r in ranks)  # in order of telling
+        if kind in ("joining", "joined") and rank.isdigit() and int(rank) < len(ranks):
+            ranks[int(rank)].joining = True
+            ranks[int(rank)].joined = ranks[int(rank)].joined or kind == "joined"
         if kind == "flight" and rank.isdigit() and int(rank) < len(ranks) and path:
             if path not in ranks[int(rank)].flight:
                 ranks[int(rank)].flight.append(path)

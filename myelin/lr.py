@@ -31,6 +31,15 @@ class WarmupCosine(torch.optim.lr_scheduler.LRScheduler):
         self.progress = 0.0
         super().__init__(optimizer)
 
+    def resume_at(self, progress: float) -> None:
+        """The next step's rate at the run's `progress` now, without stepping: the last
+        step before a save set the rate of the run it had then (one resumed with more steps
+        or time starts from the longer schedule's rate, not from the old end's floor)."""
+        self.progress = progress
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     def get_lr(self) -> list[float]:
         """Each group's rate for the step `last_epoch` at `progress`."""
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, self.progress)))

@@ -198,10 +198,24 @@ def save(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
             )
             (folder / INDEX).write_text(text + "\n")
+        _drop_stale(folder, {f for f in files if f})
         for extra in extras:
             extra.save_pretrained(folder)
     _barrier(world)
     return folder
+
+
+def _drop_stale(folder: Path, written: set[str]) -> None:
+    """Remove the weight files of an earlier save into `folder` that this one did not
+    write (another layout's shards, or its index), so `from_pretrained` and `weights=`
+    read this save's weights, as transformers' own save_pretrained cleans its folder."""
+    stale = [p for p in folder.glob("model-*-of-*.safetensors") if p.name not in written]
+    if SINGLE not in written:
+        stale.append(folder / SINGLE)
+    if len(written) == 1:
+        stale.append(folder / INDEX)
+    for p in stale:
+        p.unlink(missing_ok=True)
 
 
 def _file_names(stages: list[list[tuple]]) -> list[str | None]:

@@ -316,8 +316,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-# what a checkpoint fixes: the model it holds and the data its batches were drawn from
-FIXED_ON_RESUME = ("seed", "max_bytes", "val_fraction")
+# what a checkpoint fixes: the model it holds, the data its batches were drawn from, and
+# the optimizer's settings and schedule it carries (they come back with it, over flags)
+FIXED_ON_RESUME = ("seed", "max_bytes", "val_fraction", "lr", "min_lr", "warmup_steps",
+                   "weight_decay")  # fmt: skip
 
 
 def _check_resumed(given: dict[str, Any], base: dict[str, Any], saved: Path) -> None:
@@ -338,8 +340,9 @@ def _check_resumed(given: dict[str, Any], base: dict[str, Any], saved: Path) -> 
     if changed:
         raise ConfigError(
             f"resume={given['resume']!r} continues the run as {saved} built it, but "
-            f"{', '.join(changed)}: the model and its data cannot change on resume (steps, "
-            "time, logging, the pipeline layout, memory and sampling options can)"
+            f"{', '.join(changed)}: the model, its data and the optimizer's settings (kept "
+            "in the checkpoint) cannot change on resume (steps, time, logging, the pipeline "
+            "layout, memory and sampling options can)"
         )
 
 

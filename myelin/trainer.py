@@ -273,6 +273,7 @@ class Trainer:
         self.steps_done = 0  # training steps
         self.seconds_trained = 0.0  # fit's time, in its checkpoints: a resumed budget goes on
         self.seq = 0  # training and evaluation steps: the step number messages carry
+        self.checkpoint_version: Path | None = None  # loaded or saved last (checkpoint.py)
 
     def set_lr_schedule(self, lr_schedule: Callable[[torch.optim.Optimizer], Any]) -> Any:
         """Build `trainer.lr_scheduler = lr_schedule(trainer.optimizer)` (None on a stage with

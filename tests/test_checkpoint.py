@@ -276,3 +276,47 @@ def test_a_whole_model_stream_resumed_by_layers_is_named_as_such():
     assert "the one random stream of a model that ran its own forward" in text
     assert "holds no stream" not in text
     assert "holds no stream for layer(s) 0, 1" in _unmoved_streams(["0", "1"], 0, False, "x")
+
+
+def test_extra_a_resume_could_not_read_is_refused_at_the_save_naming_it(tmp_path):
+    """A Path (or a numpy scalar, a datetime) in `extra` made the whole shard unreadable
+    by the resume's weights-only load: weights and optimizer lost."""
+    import datetime
+    import pathlib
+
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        train(trainer, 1)
+        for extra, where in (
+            ({"out": pathlib.Path("/tmp/x")}, r"extra\['out'\] is a pathlib\.PosixPath"),
+            ({"log": [1, {"at": datetime.datetime(2026, 1, 1)}]},
+             r"extra\['log'\]\[1\]\['at'\] is a datetime\.datetime"),  # fmt: skip
+            ({"r": range(3)}, r"extra\['r'\] is a range"),
+        ):
+            with pytest.raises(ConfigError, match=where):
+                trainer.save(tmp_path / "ckpt", extra=extra)
+        assert not (tmp_path / "ckpt").exists()  # nothing written
+        kept = {"epoch": 2, "seen": {3, 4}, "t": torch.ones(2), "name": ("a", b"b", None)}
+        trainer.save(tmp_path / "ckpt", extra=kept)
+    with Trainer(model(), ADAMW, F.cross_entropy, resume=tmp_path / "ckpt") as again:
+        got = again.resumed_extra
+    assert got["epoch"] == 2 and got["seen"] == {3, 4} and torch.equal(got["t"], torch.ones(2))
+    assert got["name"] == ("a", b"b", None)
+
+
+def test_a_run_resumed_from_an_older_version_keeps_it_and_drops_the_abandoned_one(tmp_path):
+    """Saves at steps 2 and 4; resumed from step 2 and saved at step 4 again (step-4.1):
+    step 2, its own fallback, stays and the abandoned step-4 goes (it was the reverse)."""
+    ckpt = tmp_path / "ckpt"
+    with Trainer(model(), ADAMW, F.cross_entropy) as trainer:
+        for _ in range(2):
+            train(trainer, 2)
+            trainer.save(ckpt)
+    resumed = Trainer(model(), ADAMW, F.cross_entropy, resume=ckpt / "step-00000002")
+    with resumed:
+        train(resumed, 2)
+        saved = resumed.save(ckpt)
+        assert saved.name == "step-00000004.1"
+        assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002", "step-00000004.1"]
+        train(resumed, 2)  # its line goes on: the version before the new one is its own
+        resumed.save(ckpt)
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000004.1", "step-00000006"]

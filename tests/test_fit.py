@@ -404,3 +404,25 @@ def test_epochs_over_a_one_shot_loader_say_so():
 def test_an_empty_loader_is_an_error_not_a_silent_return(epochs):
     with trainer() as t, pytest.raises(ConfigError, match="gave no batches"):
         t.fit([], epochs=epochs, progress=False)
+
+
+def test_a_run_resumed_for_more_steps_goes_on_at_the_longer_schedules_rate(tmp_path):
+    """WarmupCosine over 6 steps, resumed for 6 more: from step 7 the rates are a 12-step
+    run's (step 7 ran at the 6-step schedule's floor, which its last step had set)."""
+    from myelin.lr import WarmupCosine
+
+    def schedule(opt):
+        return WarmupCosine(opt, warmup_steps=2, floor=0.1)
+
+    loader = DataLoader(data(), batch_size=8)
+    with trainer() as t:
+        whole = t.fit(loader, steps=12, lr_schedule=schedule, log_every=1, progress=False)
+    with trainer() as t:
+        t.fit(loader, steps=6, lr_schedule=schedule, checkpoint_dir=tmp_path, progress=False)
+    torch.manual_seed(0)
+    resumed = Trainer(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), SGD,
+                      F.cross_entropy, microbatches=2, resume=tmp_path)  # fmt: skip
+    with resumed:
+        again = resumed.fit(loader, steps=6, lr_schedule=schedule, log_every=1, progress=False)
+    assert [h["step"] for h in again] == list(range(7, 13))
+    assert [h["lr"] for h in again] == [h["lr"] for h in whole[6:]]

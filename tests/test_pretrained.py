@@ -105,3 +105,38 @@ def test_tensors_of_dtypes_outside_the_direct_table_are_read_by_safetensors(tmp_
     ]
     assert torch.equal(module.weight.detach(), stored.to(torch.float32))
     assert torch.equal(module.bias.detach(), bias)
+
+
+def test_a_save_into_a_folder_of_another_layouts_save_leaves_only_its_own_weights(tmp_path):
+    """An earlier 2-stage save's shards and index stayed beside a 1-stage save's file, and
+    `weights=` (the index first) read the old weights; and the other way round."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from myelin.pretrained import _drop_stale
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (4, 9))
+    old = {"stale": torch.zeros(1)}
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        save_file(old, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"stale": "x"}}')
+    with myelin.Trainer(GPT(CFG), ADAMW, lm_loss, microbatches=2) as trainer:
+        trainer.step(x[:, :-1], x[:, 1:])
+        want = trainer.state_dict()
+        trainer.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    with myelin.init_empty():
+        meta = GPT(CFG)
+    with myelin.Trainer(meta, ADAMW, lm_loss, microbatches=2, weights=tmp_path) as trainer:
+        got = trainer.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # a 2-stage save after it: the single file goes, the shards and index it wrote stay
+    written = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    for name in written:
+        save_file(old, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    _drop_stale(tmp_path, written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*written, "model.safetensors.index.json"]
+    )

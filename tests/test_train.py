@@ -145,6 +145,12 @@ def test_resume_refuses_a_changed_model_or_data_and_another_out(tmp_path):
         config_from_args(parse(f"--resume={run_dir}", "--n-layer=3"))
     with pytest.raises(ConfigError, match=r"seed=5 \(it was 0\)"):
         config_from_args(parse(f"--resume={run_dir}", "--seed=5"))
+    # the optimizer's settings and schedule come back with the checkpoint, over any flag
+    flags = {"lr": "--lr=0.01", "min_lr": "--min-lr=0.001", "warmup_steps": "--warmup-steps=0",
+             "weight_decay": "--weight-decay=0.5"}  # fmt: skip
+    for field, flag in flags.items():
+        with pytest.raises(ConfigError, match=rf"{field}=.*\(it was .*optimizer's settings"):
+            config_from_args(parse(f"--resume={run_dir}", flag))
     with pytest.raises(ConfigError, match="continues in its own directory"):
         config_from_args(parse(f"--resume={run_dir}", f"--out={tmp_path / 'elsewhere'}"))
     cfg = config_from_args(parse(f"--resume={run_dir}", "--steps=50", "--stages=1",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from myelin.errors import ConfigError
+from myelin.runtime import launched
 from myelin.runtime.liveness import host_id
 
 __all__ = [
@@ -189,11 +190,14 @@ def init_world(
         nccl = (any_cuda or device.type == "cuda") and not _gpu_shared()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # kernels, events and NCCL on this rank's GPU
+        me = os.environ.get("RANK", "")
+        launched.tell(f"joining {me}")  # `myelin run` stops a wait for a rank that left
         dist.init_process_group(
             backend="cpu:gloo,cuda:nccl" if nccl else "gloo",
             timeout=timedelta(seconds=timeout_s),
             device_id=device if nccl and device.type == "cuda" else None,
         )
+        launched.tell(f"joined {me}")
         # The default group lives as long as the process: a second Trainer in the same
         # script reuses it (re-creating it on the same store would find stale keys).
         atexit.register(_destroy_default_group)

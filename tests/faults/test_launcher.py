@@ -259,3 +259,27 @@ def test_the_grace_period_is_a_setting(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "-n", "2", "--grace-period", "-1", "x.py"])
     assert "-1 is not a number of seconds in [0, 3600]" in capsys.readouterr().err
+
+
+LEFT_WITHOUT_A_TRAINER = """
+import os, sys, functools, torch, myelin
+if os.environ["RANK"] == "1":
+    sys.exit(0)  # a script that skips the Trainer on one rank
+myelin.Trainer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+               functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.cross_entropy,
+               stages=2)  # the default timeout: 300 s
+"""
+
+
+def test_a_rank_that_left_without_joining_stops_the_ranks_waiting_for_it(tmp_path):
+    """Rank 1 exits 0 before building its Trainer: rank 0 waited in the world's rendezvous
+    the whole timeout (300 s) with nothing said. The launcher knows it cannot complete."""
+    script = tmp_path / "lonely.py"
+    script.write_text(LEFT_WITHOUT_A_TRAINER)
+    start = time.monotonic()
+    argv = [sys.executable, "-m", "myelin.cli", "run", "-n", "2", str(script)]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert time.monotonic() - start < 60
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert ("rank 1 exited (code 0) without joining the world that rank 0 waited in"
+            in res.stderr), res.stderr[-3000:]  # fmt: skip
