@@ -162,6 +162,7 @@ def train(cfg: TrainConfig) -> None:
         offload=cfg.offload(),
         precision=cfg.precision,
         device_memory_limit=cfg.device_memory_limit,
+        run_dir=cfg.resume or cfg.out,  # (a resume that fails leaves its record there too)
     )
     with trainer:
         run_dir = _agree_run_dir(cfg, trainer)

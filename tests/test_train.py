@@ -204,6 +204,13 @@ def test_resume_continues_a_killed_run_with_the_same_losses(tmp_path):
     assert "myelin train: GPT" not in out
     assert (out_dir / "profile" / "summary.json").read_bytes() == summary
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1] == 14
+    # a shard damaged: the resume fails, and its flight records go to the run directory
+    # (they went to ./myelin-flight, where the run was started)
+    (ckpt / "step-00000014" / "rank1.pt").write_bytes(b"damaged")
+    code, out, err = run_train([f"--resume={out_dir}", "--steps=20"], tmp_path)
+    assert code != 0 and "rank1.pt" in err, err[-3000:]
+    assert (out_dir / "flight" / "rank1.json").exists()
+    assert not (tmp_path / "myelin-flight").exists()
 
 
 def test_runs_unchanged_under_torchrun_and_agrees_on_one_run_directory(tmp_path):

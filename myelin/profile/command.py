@@ -87,6 +87,8 @@ def main(args: argparse.Namespace) -> int:
 def _open(args: argparse.Namespace) -> tuple[ProfileReport, Path | None]:
     """The report PATH holds, and the directory to redraw in place (None for torch traces)."""
     paths = [Path(p) for p in args.paths]
+    if len(paths) == 1 and (paths[0] / "profile" / "ranks").is_dir():
+        paths = [paths[0] / "profile"]  # a `myelin train` run directory: its profile
     if len(paths) == 1 and (paths[0] / "ranks").is_dir():
         return load(paths[0], args.warmup_steps), paths[0]
     records = load_traces(paths, short_gap_us=args.short_gap_us)

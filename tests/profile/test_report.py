@@ -370,6 +370,12 @@ def test_myelin_profile_command_prints_and_redraws(tmp_path, capsys):
     assert (tmp_path / "b" / "trace.json").exists() and (tmp_path / "b" / "timeline.png").exists()
     assert main(parser.parse_args([str(tmp_path / "nothing")])) == 2
     assert "does not exist" in capsys.readouterr().err
+    # a `myelin train` run directory (config.json, metrics.jsonl, profile/): its profile
+    run = tmp_path / "run"
+    report_of(gpipe(2, 4, steps=3)).save(run / "profile", plot=False)
+    (run / "config.json").write_text("{}")
+    assert main(parser.parse_args([str(run), "--no-plot"])) == 0
+    assert "bubble" in capsys.readouterr().out
 
 
 def test_without_matplotlib_the_numbers_are_still_written(tmp_path, monkeypatch, caplog):
