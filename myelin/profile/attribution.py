@@ -3,12 +3,16 @@
 A rank that waits for a message waits for one of several reasons. To tell them apart the
 report replays the run as it should have gone (`simulate`): every rank runs the
 operations it actually ran, in the order it ran them, for the time each took, with the
-same time of its own between them (sending, bookkeeping, its script between steps), but
-every message arrives the instant the operation that produced it ends. The waits of that
+same time of its own between them within a step (sending, bookkeeping; not its script
+between steps, nor a warm-up's tail: each step starts as the last one ends), but every
+message arrives the instant the operation that produced it ends. The waits of that
 replay are the ones the schedule implies; their share of the replay's wall time is the
 **expected bubble**. Each real wait before an operation is then cut (`attribute`) into:
 
 - `bubble`: up to the wait the replay had before that operation;
+- `sync`: then what the ranks' time between steps (their scripts) added to it: the
+  wait a second replay, in which each rank also pauses as it really did between its
+  steps, has beyond the first;
 - `latency`: of the rest, the time since the producing operation ended on the peer (the
   message on its way: the sender's hand-over, the transport, the receive);
 - `sync`: the rest, for the first operation of a step, the optimizer step, or waits at a
@@ -43,6 +47,7 @@ class _Op:
     key: tuple  # (step, replica, stage, kind, microbatch)
     needs: tuple | None  # the key of the operation whose message makes this one ready
     own: float = 0.0  # this rank's own time (not waiting for messages) before the op
+    paused: float = 0.0  # before a step's first op: the rank's time since its last step
     waited: float = 0.0  # time really spent waiting for messages before the op
     start: float = 0.0  # in the replay
     end: float = 0.0
@@ -73,33 +78,47 @@ def simulate(
     ranks = _ranks(records, spans, first_step)
     if ranks is None:
         return None
-    done: dict[tuple, float] = {}
-    zero = min(rank.begin + rank.offset for rank in ranks.values())
-    prev = {r: rank.begin + rank.offset - zero for r, rank in ranks.items()}
-    begins = dict(prev)
-    at = dict.fromkeys(ranks, 0)
-    while any(at[r] < len(ranks[r].ops) for r in ranks):
-        moved = False
-        for r, rank in ranks.items():
-            while at[r] < len(rank.ops):
-                op = rank.ops[at[r]]
-                if op.needs is not None and op.needs not in done:
-                    break
-                free = prev[r] + op.own
-                op.start = max(free, done.get(op.needs, free))
-                op.expected = op.start - free
-                op.end = op.start + (op.span.end - op.span.start)
-                done[op.key] = prev[r] = op.end
-                at[r] += 1
-                moved = True
-        if not moved:
-            return None  # an operation waits for one that never ran: records do not fit
+    begins = _replay(ranks, pauses=False)
+    if begins is None:
+        return None  # an operation waits for one that never ran: records do not fit
     out = {}
     for r, rank in ranks.items():
         wall = rank.ops[-1].end - begins[r] if rank.ops else 0.0
         expected = sum(op.expected for op in rank.ops)
         out[r] = {"expected_bubble": expected / wall if wall > 0 else 0.0, "rank": rank}
     return out
+
+
+def _replay(ranks: dict[int, _Rank], pauses: bool) -> dict[int, float] | None:
+    """Replay the ranks' operations, setting each op's start, end and expected wait; with
+    `pauses`, each rank also spends its real time between steps (`paused`). The window's
+    first step is replayed twice: once from a common start, to put the ranks as far apart
+    as the schedule leaves them at a step's end, then for real (a warm-up's slow tail is
+    not the schedule's). Returns where each rank's window begins, None if ops never run."""
+    queues = {r: [*_primer(rank.ops), *rank.ops] for r, rank in ranks.items()}
+    done: dict[tuple, float] = {}
+    prev = dict.fromkeys(ranks, 0.0)
+    begins = dict(prev)
+    at = dict.fromkeys(ranks, 0)
+    while any(at[r] < len(queues[r]) for r in ranks):
+        moved = False
+        for r, queue in queues.items():
+            while at[r] < len(queue):
+                op = queue[at[r]]
+                if op.needs is not None and op.needs not in done:
+                    break
+                free = prev[r] + op.own + (op.paused if pauses else 0.0)
+                op.start = max(free, done.get(op.needs, free))
+                op.expected = op.start - free
+                op.end = op.start + (op.span.end - op.span.start)
+                done[op.key] = prev[r] = op.end
+                if op.key[0] == _PRIMER:
+                    begins[r] = op.end
+                at[r] += 1
+                moved = True
+        if not moved:
+            return None
+    return begins
 
 
 def attribute(
@@ -110,10 +129,11 @@ def attribute(
     replay = simulate(records, spans, first_step)
     if replay is None:
         return None
-    ends = {}
-    for entry in replay.values():
-        for op in entry["rank"].ops:
-            ends[op.key] = op.span.end + entry["rank"].offset
+    ranks = {r: entry["rank"] for r, entry in replay.items()}
+    schedule = {op.key: op.expected for rank in ranks.values() for op in rank.ops}
+    _replay(ranks, pauses=True)  # the waits the ranks' time between steps adds
+    paused = {op.key: op.expected for rank in ranks.values() for op in rank.ops}
+    ends = {op.key: op.span.end + rank.offset for rank in ranks.values() for op in rank.ops}
     out_spans, expected = {}, {}
     for r, entry in replay.items():
         rank = entry["rank"]
@@ -130,20 +150,40 @@ def attribute(
             rest = "sync" if produced is None or first_of_step else "slow_peer"
             arrived = waits[-1].end + rank.offset
             in_flight = max(0.0, arrived - produced) if produced is not None else 0.0
-            _cut(waits, op.expected, in_flight, rest, cut)
+            # what the ranks' time between steps (their scripts) added to this wait
+            late = max(0.0, paused[op.key] - schedule[op.key])
+            _cut(waits, schedule[op.key], late, in_flight, rest, cut)
         for w in rank.waits_in(lo, float("inf")):  # after the last operation: step end
             cut[id(w)] = [dataclasses.replace(w, cause="sync")]
         out_spans[r] = [piece for s in rank.spans for piece in cut.get(id(s), [s])]
     return out_spans, expected
 
 
-def _cut(waits: list[Span], bubble: float, latency: float, rest: str, out: dict) -> None:
+_PRIMER = "primer"  # the step of the copies `_primer` makes
+
+
+def _primer(ops: list[_Op]) -> list[_Op]:
+    """Copies of a rank's operations of its first step, under their own keys."""
+    first = [op for op in ops if op.span.step == ops[0].span.step] if ops else []
+    return [
+        _Op(op.span, (_PRIMER, *op.key[1:]), (_PRIMER, *op.needs[1:]) if op.needs else None,
+            op.own)  # fmt: skip
+        for op in first
+    ]
+
+
+def _cut(
+    waits: list[Span], bubble: float, late: float, latency: float, rest: str, out: dict
+) -> None:
     """Label the waits before one operation, in time order: the first `bubble` seconds
-    bubble, the last `latency` seconds (of what is left) latency, the middle `rest`."""
+    bubble, the next `late` seconds sync (the producer between its steps), the last
+    `latency` seconds (of what is left) latency, the middle `rest`."""
     total = sum(w.end - w.start for w in waits)
     bubble = min(bubble, total)
-    latency = min(latency, total - bubble)
-    bounds = [("bubble", bubble), (rest, total - bubble - latency), ("latency", latency)]
+    late = min(late, total - bubble)
+    latency = min(latency, total - bubble - late)
+    middle = total - bubble - late - latency
+    bounds = [("bubble", bubble), ("sync", late), (rest, middle), ("latency", latency)]
     t = 0.0
     for w in waits:
         pieces = []
@@ -195,12 +235,22 @@ def _ranks(
         entry = _Rank(
             rec, spans[rank], _offset(rec, base), ops, begin, waits, [w.start for w in waits]
         )
-        lo = begin
+        lo, step = begin, None
+        earlier = [s.end for s in spans[rank] if first_step is not None and s.step < first_step
+                   and s.cause is None and _OPS.get(s.kind)]  # fmt: skip
+        if earlier:  # the window's first step: its pause since the step before it too
+            lo, step = max(earlier), first_step - 1
         for op in ops:
             waited = sum(w.end - w.start for w in entry.waits_in(lo, op.span.start))
             op.waited = waited
-            op.own = max(0.0, op.span.start - lo - waited)
-            lo = op.span.end
+            own = max(0.0, op.span.start - lo - waited)
+            # between steps the time is the script's, not the schedule's: the replay
+            # starts each step right after the last one (and, apart, with this pause)
+            if op.span.step == step:
+                op.own = own
+            elif step is not None:
+                op.paused = own
+            lo, step = op.span.end, op.span.step
         out[rank] = entry
     return out if len(out) == len(records) else None
 

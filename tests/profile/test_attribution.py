@@ -16,8 +16,11 @@ from myelin.profile.timeline import Timeline
 F, B, OPT = 0.010, 0.020, 0.001
 
 
-def gpipe(p: int, m: int, steps: int, latency: float) -> list[Timeline]:
-    """GPipe on equal stages; each message arrives `latency` after its operation ends."""
+def gpipe(
+    p: int, m: int, steps: int, latency: float, pause: float = 0.0, paused: int = -1
+) -> list[Timeline]:
+    """GPipe on equal stages; each message arrives `latency` after its operation ends;
+    stage `paused` spends `pause` seconds in its script after each step."""
     lines = [Timeline(s, s) for s in range(p)]
     for line in lines:  # one clock for all, as ranks on one host share the monotonic clock
         line.wall_origin, line.origin = lines[0].wall_origin, lines[0].origin
@@ -38,7 +41,7 @@ def gpipe(p: int, m: int, steps: int, latency: float) -> list[Timeline]:
                     t = done[s][i] = start + span
                 if kind == "B":
                     lines[s].add("optimizer", f"{s}OPT", t, t + OPT, step)
-                    t += OPT
+                    t += OPT + (pause if s == paused else 0.0)
                 free[s] = t
     return lines
 
@@ -156,3 +159,27 @@ def test_a_split_backward_s_w_needs_no_message_in_the_replay():
         assert expected[r] == pytest.approx(row["idle"]["bubble"], abs=1e-6), r
         for cause in ("latency", "slow_peer"):
             assert row["idle"].get(cause, 0.0) == pytest.approx(0, abs=1e-9), (r, cause)
+
+
+def test_a_ranks_script_time_between_steps_is_its_peers_sync_not_bubble():
+    """Stage 1 pauses 50 ms in its script after each step, and stage 0 waits longer for
+    its gradients: all of that extra wait is sync (it was bubble, and expected), the
+    bubble stays the schedule's (the run without pauses), and the replay still implies
+    the formula's bubble."""
+    steps = 5
+
+    def waits(lines):
+        _, expected, _, cut = figures(lines)
+        seconds = {r: {c: sum(x.end - x.start for x in cut[r] if x.step >= 1
+                              and x.kind == "wait" and x.cause == c) for c in MESSAGE_CAUSES}
+                   for r in cut}  # fmt: skip
+        return seconds, expected
+
+    plain, _ = waits(gpipe(2, 4, steps, 0.0))
+    paused, expected = waits(gpipe(2, 4, steps, 0.0, pause=0.050, paused=1))
+    assert all(e == pytest.approx(1 / 5, abs=0.01) for e in expected.values()), expected
+    extra = sum(paused[0].values()) - sum(plain[0].values())
+    assert extra > 0.05  # 19 ms a step: stage 1 starts its forwards late
+    assert paused[0]["bubble"] == pytest.approx(plain[0]["bubble"], abs=1e-9)
+    assert paused[0]["sync"] == pytest.approx(extra, abs=1e-9)
+    assert paused[0]["slow_peer"] == pytest.approx(0, abs=1e-9) and plain[0]["sync"] == 0
