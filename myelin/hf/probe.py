@@ -63,13 +63,22 @@ class _Recorder(nn.Module):
         self.path, self.real, self.calls = path, [real], calls
         self.like = [like]  # a later block: returns what the first returned (run once)
         self.returned: Any = None
+        self.extra: list[torch.Tensor] = [] if like is None else like.extra  # the blocks'
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
         self.calls.append(self.path)
+        if self.path == "<block>":  # what it takes besides the hidden state
+            rest = [*args[1:], *(v for k, v in kwargs.items() if k != "hidden_states")]
+            if not args:
+                rest = [v for k, v in kwargs.items() if k != "hidden_states"]
+            self.extra.extend(_tensors(rest))
         like = self.like[0]
         if like is not None and like.returned is not None:
             return like.returned
         self.returned = shaped_zeros(self.real[0], args, kwargs, torch.device("cpu"))
+        if self.path != "<block>" and any(True for _ in self.real[0].parameters()):
+            # a value nothing else has, so a copy of it passed to the blocks is recognised
+            tree_map(lambda x: x.fill_(_MARK) if _floating(x) else x, self.returned)
         return self.returned
 
 
@@ -79,6 +88,9 @@ class Probed:
 
     sides: dict[str, Side]  # each module the forward called: before, after or between
     block_tuple: bool  # a block returns a tuple whose first item is the hidden state
+    feeds_blocks: frozenset[str] = frozenset()  # modules whose output the blocks take
+    # besides the hidden state (Zamba's blocks take the embeddings too)
+    block_items: int = 1  # how many items a block's tuple holds (RWKV's: hidden, state, ...)
 
 
 def probe(
@@ -112,7 +124,30 @@ def probe(
         if path != "<block>":
             side = "before" if i < first else "after" if i > last else "between"
             found[path] = side if found.get(path, side) == side else "between"
-    return Probed(found, isinstance(first_block.returned, tuple))
+    marked = [t for t in first_block.extra if _floating(t) and bool((t == _MARK).all())]
+    feeds = frozenset(
+        path
+        for path, rec in swaps.items()
+        if rec.path != "<block>"
+        and any(_floating(t) and t.shape == m.shape for t in _tensors(rec.returned) for m in marked)
+    )
+    returned = first_block.returned
+    items = len(returned) if isinstance(returned, tuple) else 1
+    return Probed(found, isinstance(returned, tuple), feeds, items)
+
+
+_MARK = 0.6180339887  # what the probe's stand-ins for stateful modules return
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value` (through tuples, lists and dicts)."""
+    found: list[torch.Tensor] = []
+    tree_map(lambda x: found.append(x) if isinstance(x, torch.Tensor) else x, value)
+    return found
 
 
 @contextlib.contextmanager

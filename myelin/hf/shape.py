@@ -53,6 +53,8 @@ class Found:
     after: dict[str, nn.Module]  # stateful modules run after them
     everywhere: dict[str, nn.Module]  # stateless modules along the path: every stage runs them
     block_tuple: bool = False  # a block returns (hidden, ...), not the hidden state alone
+    feeds_blocks: frozenset[str] = frozenset()  # before-modules whose output blocks take too
+    block_items: int = 1  # the items of a block's tuple (the hidden state first)
 
 
 def _check_causal(model: nn.Module, name: str) -> None:
@@ -109,7 +111,9 @@ def find(model: nn.Module) -> Found:
     before, after, everywhere = _around(model, beside, registered, probed)
     _check_ends(model, before, after)
     block_tuple = probed is not None and probed.block_tuple
-    return Found(blocks_path, blocks, before, after, everywhere, block_tuple)
+    feeds = frozenset(p for p in probed.feeds_blocks if p in before) if probed else frozenset()
+    items = probed.block_items if probed is not None else 1
+    return Found(blocks_path, blocks, before, after, everywhere, block_tuple, feeds, items)
 
 
 def _beside(model: nn.Module, blocks_path: str) -> tuple[dict[str, nn.Module], dict[str, str]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,16 +80,41 @@ class _Call:
     took_hidden: bool = False  # the received hidden state has entered the blocks
 
 
-class _Embedding(nn.Module):
+class _StandIn(nn.Module):
+    """A stand-in that answers for the module it replaces: a model's forward may read its
+    attributes (Nemotron-H a block's `block_type`, Llama 4 the embedding's `weight`)."""
+
+    stood_for: list  # [the real module], or [] (a list: not this stand-in's submodule)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("stood_for") or [None]
+            if real[0] is None or name.startswith("__"):
+                raise
+            return getattr(real[0], name)
+
+
+def _tuple_of(hidden: torch.Tensor, items: int) -> torch.Tensor | tuple:
+    """What a block of the family returns, for a stand-in: the hidden state alone, or a
+    tuple of `items` with it first (the rest None: no cache, no attentions)."""
+    return (hidden, *([None] * (items - 1))) if items else hidden
+
+
+class _Embedding(_StandIn):
     """A module run before the blocks, on a later stage: zeros shaped as its output would
     be (the blocks' first input is replaced by the received hidden state anyway)."""
 
     def __init__(self, path: str, real: nn.Module, call: _Call) -> None:
         super().__init__()
         self.path, self.call, self.real = path, call, [real]  # a list: not our weights
+        self.stood_for = self.real
         self.dim = real.embedding_dim if isinstance(real, nn.Embedding) else None
 
-    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:  # noqa: D102
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: D102
+        # the token ids, by position or by keyword (ModernBERT's decoder)
+        x = args[0] if args else kwargs.get("input_ids")
         if self.call.took_hidden:
             raise PartitionError(
                 f"{self.path} runs before the blocks, so stage 0 holds it, but the "
@@ -96,7 +122,7 @@ class _Embedding(nn.Module):
             )
         if self.dim is not None:
             return torch.zeros(*x.shape, self.dim, dtype=self.call.dtype, device=x.device)
-        return shaped_zeros(self.real[0], (x, *args), kwargs, x.device, self.call.dtype)
+        return shaped_zeros(self.real[0], args, kwargs, x.device, self.call.dtype)
 
 
 class _Head(nn.Module):
@@ -113,39 +139,39 @@ class _Head(nn.Module):
         )
 
 
-class _PassThrough(nn.Module):
-    """A block of an earlier stage: its input goes on unchanged (as `(hidden,)` where the
-    family's blocks return a tuple)."""
+class _PassThrough(_StandIn):
+    """A block of an earlier stage: its input goes on unchanged (as `(hidden, None, ...)`
+    where the family's blocks return a tuple of `items`; 0: not a tuple)."""
 
-    def __init__(self, as_tuple: bool) -> None:
+    def __init__(self, block: nn.Module, items: int) -> None:
         super().__init__()
-        self.as_tuple = as_tuple
+        self.stood_for, self.items = [block], items
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor | tuple:  # noqa: D102
-        hidden = _hidden_of(args, kwargs)
-        return (hidden,) if self.as_tuple else hidden
+        return _tuple_of(_hidden_of(args, kwargs), self.items)
 
 
-class _Received(nn.Module):
+class _Received(_StandIn):
     """The last block, for a stage holding only the head: yields the received hidden state
-    (as `(hidden,)` where the family's blocks return a tuple)."""
+    (in a tuple of `items` where the family's blocks return one)."""
 
-    def __init__(self, call: _Call, as_tuple: bool) -> None:
+    def __init__(self, block: nn.Module, call: _Call, items: int) -> None:
         super().__init__()
-        self.call, self.as_tuple = call, as_tuple
+        self.stood_for, self.call, self.items = [block], call, items
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor | tuple:  # noqa: D102
         self.call.took_hidden = True
-        return (self.call.hidden,) if self.as_tuple else self.call.hidden
+        return _tuple_of(self.call.hidden, self.items)
 
 
-class _Edge(nn.Module):
+class _Edge(_StandIn):
     """The stage's first block on a later stage (it runs on the received hidden state) or
     its last on an earlier one (the forward stops with the block's output), or both."""
 
     def __init__(self, block: nn.Module, call: _Call, takes_hidden: bool, stops: bool) -> None:
         super().__init__()
         self.block = [block]  # a list: the block is the stage's own, not this stand-in's
+        self.stood_for = self.block
         self.call, self.takes_hidden, self.stops = call, takes_hidden, stops
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:  # noqa: D102
@@ -161,9 +187,13 @@ class _Edge(nn.Module):
         return out
 
 
-class _StopHere(nn.Module):
+class _StopHere(_StandIn):
     """A block of a later stage, for a stage holding only the embeddings: the forward
     stops with this block's input."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.stood_for = [block]
 
     def forward(self, *args: object, **kwargs: object) -> None:  # noqa: D102
         raise _Stop(_hidden_of(args, kwargs))
@@ -185,6 +215,13 @@ class HFStage(StageModule):
         self.has_embeddings, self.has_head = first == 0, end == n + 2
         self._call = _Call()
         self._swaps: list[tuple[nn.Module, str, nn.Module]] = []
+        if not self.has_embeddings and found.feeds_blocks and first <= n:
+            raise PartitionError(
+                f"{type(model).__name__}'s blocks take the output of "
+                f"{', '.join(sorted(found.feeds_blocks))} besides the hidden state (as the "
+                f"embeddings), which only stage 0 computes: a later stage's blocks would get "
+                f"zeros. Train it with stages=1, or {BY_HAND}"
+            )
         if not self.has_embeddings:
             for path, module in found.before.items():
                 self._swap(model, path, _Embedding(path, module, self._call))
@@ -195,19 +232,20 @@ class HFStage(StageModule):
             layer, path = i + 1, f"{found.blocks_path}.{i}"
             if layer < first:
                 last_before_head = layer == n and first == n + 1
-                as_tuple = found.block_tuple
-                self._swap(
-                    model,
-                    path,
-                    _Received(self._call, as_tuple) if last_before_head else _PassThrough(as_tuple),
+                items = found.block_items if found.block_tuple else 0
+                stand_in = (
+                    _Received(block, self._call, items)
+                    if last_before_head
+                    else _PassThrough(block, items)
                 )
+                self._swap(model, path, stand_in)
             elif layer < end:
                 takes_hidden = layer == first
                 stops = layer == end - 1 and not self.has_head
                 if takes_hidden or stops:
                     self._swap(model, path, _Edge(block, self._call, takes_hidden, stops))
             else:
-                self._swap(model, path, _StopHere())
+                self._swap(model, path, _StopHere(block))
 
     @property
     def model(self) -> nn.Module:

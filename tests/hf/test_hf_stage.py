@@ -274,3 +274,56 @@ def test_dropout_in_an_hf_model_draws_the_same_masks_at_every_split():
     model.train()
     for stages in (2, 3, 6):
         assert torch.equal(_dropout_logits(model, stages, ids), one), stages
+
+
+def test_blocks_that_take_the_embeddings_too_are_refused_past_stage_zero():
+    """Zamba's hybrid blocks take a copy of the embeddings beside the hidden state: a later
+    stage gave them zeros (losses and gradients off, silently). One stage is exact."""
+    cfg = tf.ZambaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False,
+                         pad_token_id=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    assert hf.find(model).feeds_blocks == {"model.embed_tokens"}
+    assert not hf.find(fam.build("llama")).feeds_blocks
+    stage_module(model, 2, 0)  # stage 0 has the embeddings
+    with pytest.raises(PartitionError, match="take the output of model.embed_tokens.*stages=1"):
+        stage_module(model, 2, 1)
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    """A 4-block model of `family` from its config class, the fields it takes set small."""
+    import inspect
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 max_position_embeddings=64, num_experts=4, num_local_experts=4,
+                 num_experts_per_tok=2, attention_dropout=0.0, hidden_dropout=0.0,
+                 embedding_dropout=0.0, n_routed_experts=4, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=16)  # fmt: skip
+    cls = CONFIG_MAPPING[family]
+    takes = inspect.signature(cls.__init__).parameters
+    fields = {k: v for k, v in small.items() if k in takes}
+    torch.manual_seed(0)
+    cfg = cls(**fields, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["rwkv", "nemotron_h", "llama4_text", "modernbert-decoder"])
+def test_families_whose_forward_reads_the_stand_ins_run_in_stages(family):
+    """RWKV unpacks (hidden, state, attentions) from every block, Nemotron-H reads a
+    block's `block_type`, Llama 4 the embedding's `weight`, ModernBERT's decoder calls its
+    embeddings by keyword: a later stage's stand-ins failed each (at 1 stage all worked)."""
+    model = _tiny(family)
+    ids, mask, _ = fam.batch(0)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        for stages, partition in ((2, None), (3, [1, 4, 1])):
+            out = (ids, mask)
+            for s in range(stages):
+                module = stage_module(model, stages, s, partition=partition)
+                out = module(*(out if isinstance(out, tuple) else (out,)))
+            assert torch.equal(out, want), (family, stages)
