@@ -148,12 +148,19 @@ class Failures:
         if self.transport is None:  # one rank: nobody to tell, and the trainer stays usable
             yield
             return
+        live = self.liveness
+        outer = live.where if live is not None else None
+        if live is not None:  # the peers' heartbeats say so (runtime/apart.py)
+            live.where = doing
         try:
             yield
         except (ConfigError, CheckpointError):
             raise
         except BaseException as exc:
             self.raise_failed(exc, doing)
+        finally:
+            if live is not None:
+                live.where = outer
 
     def raise_failed(self, exc: BaseException, doing: str, passing: bool = False) -> NoReturn:
         """`fail`, then raise what it made of `exc` (from `exc`), or `exc` itself. A

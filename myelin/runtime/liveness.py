@@ -19,7 +19,6 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -38,7 +37,9 @@ from myelin.errors import (
     PeerLostError,
     RemoteError,
 )
+from myelin.runtime.apart import Apart
 from myelin.runtime.flight import FlightRecorder
+from myelin.runtime.hosts import host_id, pid_alive  # (importable from here too)
 from myelin.runtime.launched import launcher_pid
 from myelin.runtime.launched import tell as tell_launcher
 
@@ -56,34 +57,6 @@ _NEWS_S = 0.05
 _SEEN = (PeerLostError, RemoteError, LauncherLostError)  # another rank's failure, seen here
 
 
-def host_id() -> str:
-    """This host as ranks must share it to see each other's processes and abstract ipc
-    sockets: the hostname, the network namespace and the pid namespace."""
-    spaces = []
-    for ns in ("net", "pid"):
-        try:
-            spaces.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
-        except OSError:
-            spaces.append("-")
-    return f"{socket.gethostname()}/{'/'.join(spaces)}"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (killed, waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
 @dataclass(slots=True)
 class _Peer:
     rank: int
@@ -94,6 +67,8 @@ class _Peer:
     doing: str = "starting"
     left: bool = False  # closed its trainer (or exited) and said goodbye
     counts: tuple[int, int] = (0, 0)  # its trainer.step and eval_step calls, when it left
+    where: str | None = None  # the call it is in (a step, a save), as its last beat said
+    at: tuple[int, int] = (0, 0)  # its steps and evaluations done then
 
 
 class Liveness:
@@ -128,7 +103,8 @@ class Liveness:
         self.failed: BaseException | None = None  # this rank's own failure, told at goodbye
         self.stopped = False  # this rank was stopped by its launcher: losses are expected
         self.counts = (0, 0)  # this rank's trainer.step and eval_step calls done so far
-        self.where: str | None = None  # the step or evaluation the rank is in, if any
+        self.where: str | None = None  # the step, evaluation or collective it is in, if any
+        self._apart = Apart()
         self.launcher = launcher_pid()
         self._exiting = False  # closing at interpreter exit, where sys.last_value is news
         self._transport = transport
@@ -184,6 +160,9 @@ class Liveness:
         if self.lost is not None:
             self.acknowledged = True
             raise fresh(self.lost)
+        apart = self._apart.check(self, self._peers.values())  # (runtime/apart.py)
+        if apart is not None:
+            raise apart
         where = where or self.where
         if where is not None and self.anyone_left:
             left = self.left(where, strict)
@@ -315,7 +294,9 @@ class Liveness:
             log.exception("rank %d: heartbeat thread failed", self.rank)
 
     def _beat(self, doing: str) -> None:
-        beat = msgpack.packb({"rank": self.rank, "doing": doing[:200]})
+        where = self.where[:200] if self.where else None
+        beat = msgpack.packb({"rank": self.rank, "doing": doing[:200], "where": where,
+                              "counts": list(self.counts)})  # fmt: skip
         for peer in self._peers.values():
             if peer.left:
                 continue
@@ -338,6 +319,8 @@ class Liveness:
             peer.last = time.monotonic()
             peer.seen = True
             peer.doing = beat["doing"]
+            peer.where = beat["where"] if isinstance(beat.get("where"), str) else None
+            peer.at = _counts(beat.get("counts"))
             if beat.get("bye") is True:
                 peer.left = True
                 peer.counts = _counts(beat.get("counts"))

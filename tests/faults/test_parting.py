@@ -224,6 +224,20 @@ def test_a_rank_that_evaluates_where_its_peer_trains_is_told_at_once(tmp_path):
     assert mine["time"] - victim["time"] < RAISE_S and peer["time"] - victim["time"] < RAISE_S
 
 
+def test_a_save_on_one_rank_while_its_peer_steps_ends_both_naming_the_calls(tmp_path):
+    """The DDP habit, `if rank == 0: trainer.save(...)`: rank 0 waited in the save and
+    rank 1 in its next step for the whole timeout (30 s here, 300 by default), neither
+    error naming the other call. Their heartbeats say which call each is in."""
+    job, victim, ended = run(tmp_path, "save-on-one")
+    assert job.returncode != 0, job.output[-3000:]
+    errors = [job.results[r] for r in (0, 1)]  # either may find it first; the other is told
+    assert any(e["error_type"] == "MyelinError" for e in errors), errors
+    for e in errors:
+        for words in ("in a checkpoint save", "in training step 2", "both after 1 trainer.step"):
+            assert words in e["error"], (words, e)
+    assert all(e["time"] - victim["time"] < RAISE_S + 2 for e in errors), errors
+
+
 @pytest.mark.slow
 def test_uneven_evaluations_end_the_job_naming_the_steps(tmp_path):
     job, victim, ended = run(tmp_path, "uneven-eval")

@@ -24,6 +24,8 @@ Uneven runs (rank 1 closes its trainer; it writes the time to victim.json):
   uneven-steps  rank 0 calls trainer.step 3 times, rank 1 twice
   uneven-eval   both train 2 steps; rank 0 calls eval_step twice, rank 1 once
   mixed-steps   both train a step; then rank 0 calls eval_step where rank 1 calls step
+  save-on-one   both train a step; then rank 0 saves a checkpoint (the DDP habit) where
+                rank 1 trains its next step
   uneven-fit    stages=1 x data_parallel=2: fit over loaders of 5 and 3 batches stops
                 both at 3 (uneven="shortest"); uneven="raise" raises before a step; then
                 generators (no len) of 5 and 3 batches: rank 0 is told rank 1 left.
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 import myelin
 
 PLACES = ["close", "gather", "checkpoint", "state_dict", "barrier", "user", "with"]
-UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit", "mixed-steps"]
+UNEVEN = ["uneven-steps", "uneven-eval", "uneven-fit", "mixed-steps", "save-on-one"]
 RESUME = ["bad-resume"]
 VICTIM = int(os.environ.get("WORLD_SIZE", 2)) - 1
 
@@ -137,6 +139,18 @@ def mixed_steps(args, rank, record):
         finally:
             after = list(trainer.module.parameters())
             record["unchanged"] = all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def save_on_one(args, rank, record):
+    """Rank 0 saves where rank 1 trains: each waits in a call the other never makes."""
+    with build(args.out, profile=False) as trainer:
+        trainer.step(*batch(0))
+        if rank == VICTIM:
+            write(args.out, "victim.json", {"time": time.time()})
+        if rank == 0:
+            trainer.save(os.path.join(args.out, "ckpt"))
+        else:
+            trainer.step(*batch(1))
 
 
 def uneven_steps(args, rank, record):
@@ -226,6 +240,8 @@ def main():
             bad_resume(args, rank, record)
         elif args.mode == "mixed-steps":
             mixed_steps(args, rank, record)
+        elif args.mode == "save-on-one":
+            save_on_one(args, rank, record)
         else:
             uneven_steps(args, rank, record)
     except BaseException as exc:
