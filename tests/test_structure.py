@@ -73,6 +73,7 @@ LAYERS = {
         "myelin.errors",
         "myelin.atomic",
         "myelin.checkpoint_versions",
+        "myelin.checkpoint_extra",
         "myelin.layers",
         "myelin.losses",
         "myelin.collector",

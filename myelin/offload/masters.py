@@ -12,7 +12,8 @@ the master takes it (an edit through `p.data` has a version counter of its own: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -20,18 +21,20 @@ __all__ = ["MasterLink"]
 
 
 class MasterLink:
-    """`params[i]` and its master `masters[i]`; `synchronize` waits for copies in flight."""
+    """`params[i]` and its master `masters[i]`; `stream`: the side stream whose copies to
+    or from the masters may be in flight (None on a CPU)."""
 
     def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        masters: Sequence[torch.Tensor],
-        synchronize: Callable[[], None],
+        self, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], stream: Any
     ) -> None:
         self.params, self.masters = list(params), list(masters)
         self.same = all(p is m for p, m in zip(self.params, self.masters, strict=True))
-        self._synchronize = synchronize
+        self._stream = stream  # (not the updater's method: no cycle keeps the pool alive)
         self.noted()
+
+    def _synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def noted(self) -> None:
         """The parameters are their masters' values now (myelin wrote them)."""

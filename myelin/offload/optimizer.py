@@ -82,7 +82,7 @@ class Updater:
         # "host" on a CPU in fp32: parameters and gradients are host memory; state goes alone
         self._in_place = mode == "host" and self.device.type == "cpu" and not self.half
         self.masters = self._make_masters(initial or [p.detach() for p in params])
-        self.link = MasterLink(params, self.masters, self._synchronize)  # edits, strategies
+        self.link = MasterLink(params, self.masters, self._stream)  # edits, strategies
         names = names if names is not None else [f"param{i}" for i in range(len(params))]
         self.optimizer = build_optimizer(factory, self.masters, names, where)
         if mode == "host" and self.device.type == "cuda":

@@ -31,8 +31,10 @@ class Apart:
         """The error for a peer in another call than this rank's (`liveness.where`) after
         the same counts, for APART_S or more; None otherwise. `peers`: liveness's, with the
         `where` and `at` their beats said."""
-        mine, counts, now = liveness.where, liveness.counts, time.monotonic()
-        me = f"rank {liveness.rank} ({liveness.stage_of(liveness.rank)})"
+        mine, counts = liveness.where, liveness.counts
+        if mine is None and not self._since:  # between calls (the loop's every wait)
+            return None
+        now = time.monotonic()
         for peer in peers:
             theirs = peer.where
             if peer.left or mine is None or theirs in (None, mine) or peer.at != counts:
@@ -43,6 +45,7 @@ class Apart:
                 self._since[peer.rank] = (theirs, now)
             elif now - seen[1] >= APART_S:
                 steps, evals = counts
+                me = f"rank {liveness.rank} ({liveness.stage_of(liveness.rank)})"
                 return MyelinError(
                     f"{me} is in {mine}, but rank {peer.rank} is in {theirs}, both after "
                     f"{steps} trainer.step and {evals} eval_step calls: every rank must make "
