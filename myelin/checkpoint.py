@@ -184,7 +184,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> dict[str, Any]:
         log.warning("%s", line)
     trainer.resumed_scheduler_state = scheduler
     if scheduler is not None and trainer.lr_scheduler is not None:
-        trainer.lr_scheduler.load_state_dict(scheduler)
+        reshard.load_scheduler(trainer.lr_scheduler, scheduler, str(vdir))
     first = shards[0]
     _set_rng_state(first["rng"])
     trainer.steps_done = first["steps_done"]

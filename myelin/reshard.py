@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin.errors import MyelinError, PartitionError
+from myelin.errors import CheckpointError, MyelinError, PartitionError
 from myelin.partition import StageModule, layers_of
 from myelin.precision import exact_value, keep_exact
 
@@ -146,6 +146,7 @@ def capture(
         "model": weights,
         "optimizer": optimizer,
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "lr_scheduler_kind": _kind(scheduler) if scheduler is not None else None,
         "streams": streams.state_dict()["streams"] if streams is not None else {},
     }
 
@@ -343,6 +344,24 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
+_SCHEDULER_KIND = "_myelin_kind"  # the saved scheduler's class, beside its state
+
+
+def load_scheduler(scheduler: Any, state: dict[str, Any], where: str) -> None:
+    """`scheduler.load_state_dict` of a `scheduler_state`; a scheduler of another class
+    than the saved one is a CheckpointError naming both (torch would mix their states:
+    a OneCycleLR's into a StepLR, silently)."""
+    state = dict(state)
+    kind = state.pop(_SCHEDULER_KIND, None)
+    if kind is not None and kind != _kind(scheduler):
+        raise CheckpointError(
+            f"{where}: the checkpoint's LR scheduler is a {kind}, this run's a "
+            f"{_kind(scheduler)}; build the same scheduler to resume it, or build the new one "
+            f"after a step (it then starts afresh)"
+        )
+    scheduler.load_state_dict(state)
+
+
 def scheduler_state(shard: dict[str, Any], updater: Any, module: nn.Module) -> Any:
     """The saved LR scheduler's state (None if none was saved), its per-group lists
     following their groups: new group g takes the entry of the saved group its first
@@ -350,6 +369,7 @@ def scheduler_state(shard: dict[str, Any], updater: Any, module: nn.Module) -> A
     if shard.get("lr_scheduler") is None:
         return None
     state = dict(shard["lr_scheduler"])
+    state[_SCHEDULER_KIND] = shard.get("lr_scheduler_kind")  # (load_scheduler checks it)
     opt = shard.get("optimizer")
     if updater is None or opt is None:
         return state

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from myelin import checkpoint, collector, compiled, hf, pretrained, retry, teardown, whole
+from myelin import checkpoint, collector, compiled, hf, pretrained, reshard, retry, teardown, whole
 from myelin import fit as fit_loop
 from myelin.config import PipelineConfig, check_callables, check_max_grad_norm, flight_dir_of
 from myelin.errors import ConfigError, MyelinError
@@ -287,7 +287,7 @@ class Trainer:
         self.lr_scheduler = fit_loop.checked_scheduler(lr_schedule(self.optimizer), lr_schedule)
         saved, self.resumed_scheduler_state = self.resumed_scheduler_state, None  # once
         if saved is not None:
-            self.lr_scheduler.load_state_dict(saved)
+            reshard.load_scheduler(self.lr_scheduler, saved, "resuming the LR schedule")
             for group, lr in zip(self.optimizer.param_groups, resumed_lrs, strict=True):
                 group["lr"] = lr
         return self.lr_scheduler

@@ -255,6 +255,28 @@ def test_a_scheduler_built_after_steps_past_the_resume_does_not_rewind_to_it(tmp
     assert runs == [0, 0]
 
 
+def test_a_checkpoints_scheduler_into_another_class_is_refused_naming_both(tmp_path):
+    """A LambdaLR's state loaded into a StepLR mixed the two (base_lrs, last_epoch...);
+    the optimizer's class was checked, the scheduler's was not."""
+    data = batches(3)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, lr_schedule=warmup_cosine) as t:
+        steps(t, data)
+        t.save(tmp_path)
+
+    def step_lr(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+
+    for how in ("built", "later"):
+        kw = {"lr_schedule": step_lr} if how == "built" else {}
+        with pytest.raises(myelin.CheckpointError, match=r"LambdaLR, this run's a .*StepLR"):
+            with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, resume=tmp_path,
+                         **kw) as t:  # fmt: skip
+                t.set_lr_schedule(step_lr)
+    with Trainer(mlp(), ADAMW, F.cross_entropy, microbatches=4, resume=tmp_path,
+                 lr_schedule=warmup_cosine) as t:  # fmt: skip
+        assert t.lr_scheduler.last_epoch == 3  # the same class resumes
+
+
 # -- 17.9: a DataLoader's short last batch -----------------------------------------------------
 
 
