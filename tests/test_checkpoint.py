@@ -217,7 +217,8 @@ def _kill_one_rank_mid_save(tmp_path, delay):
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "MYELIN_RUN_DIR": str(tmp_path)}  # the survivor's flight record: not in the cwd
     cmd = [
         sys.executable,
         "-m",
