@@ -35,6 +35,8 @@ from myelin.replicas.collectives import Collectives
 
 __all__ = ["AllReduce", "AllReduceReplicas", "average_gradients"]
 
+_CARRIES_LOSS = (torch.float32, torch.float64)  # a bucket whose dtype holds the loss well
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AllReduce:
@@ -206,7 +208,8 @@ def plan_buckets(params: Sequence[Any], owner: AllReduceReplicas) -> list[list[i
 class _Reduction:
     """One step's all-reduce of the gradients in `holders[i].grad`: buckets launched last
     first (the last parameters' gradients are final first in backward), some during the
-    backward, then the loss, then every bucket waited and averaged."""
+    backward, the loss (and the flags of which parameters had a gradient) riding with the
+    last, then every bucket waited and averaged."""
 
     def __init__(self, holders: Sequence[Any], plan: list[list[int]], owner: AllReduceReplicas):
         self.holders = holders
@@ -219,6 +222,7 @@ class _Reduction:
         self.works: list[tuple[Any, torch.Tensor | None, list[torch.Tensor]]] = []
         self.had: dict[int, bool] = {}
         self.twice: int | None = None
+        self.tail: tuple[int, list[int]] | None = None  # (offset, flagged) in the last bucket
 
     def final(self, i: int) -> None:
         """Parameter i's gradient is final (its hook ran in the last backward)."""
@@ -230,7 +234,10 @@ class _Reduction:
         while len(self.works) < len(self.plan) and self.left[self.order[len(self.works)]] == 0:
             self._launch(self.order[len(self.works)], "backward")
 
-    def _launch(self, b: int, when: str) -> None:
+    def _launch(self, b: int, when: str, loss: float | None = None) -> None:
+        """Start bucket b's all-reduce; with `loss` (the step's last bucket, launched once
+        every other bucket has said which parameters had a gradient) the loss and those
+        flags ride at its end, so a step costs no collective of its own for them."""
         grads = []
         for i in self.plan[b]:
             h = self.holders[i]
@@ -244,8 +251,17 @@ class _Reduction:
             if h.grad is None:
                 h.grad = torch.zeros_like(h)
             grads.append(h.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        parts = [g.reshape(-1) for g in grads]
+        if loss is not None and grads and grads[0].dtype in _CARRIES_LOSS:
+            flags = [float(self.had[i]) for i in self.had]
+            parts.append(torch.tensor([loss, *flags], dtype=grads[0].dtype, device=grads[0].device))
+            self.tail = (sum(g.numel() for g in grads), list(self.had))
+        flat = torch.cat(parts)
         self.works.append((self.owner.comm.start(flat, self.owner.group, "gradients"), flat, grads))
+        if self.tail is not None and len(self.works) == len(self.plan):  # its bytes are the loss's
+            riding = parts[-1].numel() * parts[-1].element_size()
+            self.owner.comm.count("gradients", -riding, 0)
+            self.owner.comm.count("loss", riding, 0)  # no collective of its own
         owner = self.owner
         owner.buckets += 1
         owner.overlapped += when == "backward"
@@ -262,25 +278,33 @@ class _Reduction:
                 "all-reduce had started; use AllReduce(overlap=False)"
             )
         while len(self.works) < len(self.plan):
-            self._launch(self.order[len(self.works)], "after")
+            last = len(self.works) == len(self.plan) - 1
+            self._launch(self.order[len(self.works)], "after", loss if last else None)
         # the loss, then per parameter whether this replica had a gradient: one with none
         # on every replica stays None (the optimizer skips it), as DDP's unused-parameter
         # rule; a gradient any replica had (zeros included) is everyone's, so weight decay
-        # and momentum move that parameter alike on every replica
-        flagged = list(self.had)
-        loss_t = torch.tensor([loss, *(float(self.had[i]) for i in flagged)], dtype=torch.float64)
-        owner = self.owner
-        works = [*self.works, (owner.comm.start(loss_t, owner.group, "loss"), None, [])]
+        # and momentum move that parameter alike on every replica. They ride at the end of
+        # the last bucket where it is launched here, in its fp32 (or fp64); otherwise
+        # (every bucket left during the backward, or half-precision gradients) they take
+        # an fp64 all-reduce of their own.
+        owner, works = self.owner, list(self.works)
+        if self.tail is None:
+            flagged = list(self.had)
+            sums = torch.tensor([loss, *(float(self.had[i]) for i in flagged)], dtype=torch.float64)
+            works.append((owner.comm.start(sums, owner.group, "loss"), None, []))
         for work, flat, grads in works:
             owner.comm.wait(work, "loss" if flat is None else "gradients")
             if flat is None:
                 continue
+            if self.tail is not None and work is works[len(self.plan) - 1][0]:
+                start, flagged = self.tail
+                sums = flat[start:].double()
             flat.div_(owner.replicas)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        for i, anyone in zip(flagged, loss_t[1:].tolist(), strict=True):
+        for i, anyone in zip(flagged, sums[1:].tolist(), strict=True):
             if not anyone:
                 self.holders[i].grad = None
-        return float(loss_t[0].item()) / owner.replicas
+        return float(sums[0].item()) / owner.replicas

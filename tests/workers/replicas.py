@@ -393,6 +393,7 @@ def case_overlap():
                 "stats": t.replicas.stats(),
                 "traffic": t.replicas.traffic(),
                 "numel": flat(t.module).numel(),
+                "params": len(list(t.module.parameters())),
             }
             t.close()
     return res
