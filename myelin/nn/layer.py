@@ -52,12 +52,15 @@ from myelin.errors import ConfigError
 from myelin.nn.config import INFERENCE, LSHConfig
 from myelin.nn.hashing import Hasher, stream_seed
 from myelin.nn.tables import LSHTables, SeededModule, active_set
+from myelin.nn.targets import as_label_matrix, soft_target, soft_target_loss, sparse_rows
 
-__all__ = ["LSHSavepoint", "LSHSoftmax", "soft_target_loss", "sparse_rows"]
+__all__ = ["LSHSavepoint", "LSHSoftmax", "soft_target_loss", "sparse_rows"]  # (targets.py)
 
 
 class LSHSoftmax(SeededModule):
     """Linear layer to `num_classes` logits trained on an LSH-chosen active set."""
+
+    sparse_gradients = ("weight", "bias")  # only the active rows: memory budgets count those
 
     def __init__(
         self,
@@ -128,6 +131,9 @@ class LSHSoftmax(SeededModule):
         super()._load_from_state_dict(state_dict, prefix, *args, **kw)
         if prefix + "tables.keys" in state_dict:  # the checkpoint's tables and hash functions
             self._unbuilt = False
+            self._probed = self.weight._version
+        elif prefix + "weight" in state_dict and not self.weight.is_meta:
+            self._build()  # weights alone (a dense layer's): tables of the loaded ones
 
     def extra_repr(self) -> str:
         c = self.config
@@ -148,6 +154,7 @@ class LSHSoftmax(SeededModule):
         self._keep_tables()
         self.tables.build(self.weight)
         self.moved.zero_()
+        self._probed = self.weight._version  # the weights' in-place count the tables know
 
     def _check_built(self) -> None:
         """A layer built under init_empty has no tables until reset_parameters draws them."""
@@ -178,8 +185,12 @@ class LSHSoftmax(SeededModule):
         Eval: the exact soft-target cross-entropy of logits `output` (B, num_classes)."""
         self._check_built()
         self._check_output(output)
-        labels = _as_label_matrix(labels, output.shape[0], self.num_classes)
+        labels = as_label_matrix(labels, output.shape[0], self.num_classes)
         if not self.training:
+            made = getattr(self, "_lsh_of", None)
+            if made is not None and made[0]() is output:  # forward's LSH-only logits
+                with torch.no_grad():
+                    output = self.logits(made[1], "exact")  # the loss is the exact one
             return self._eval_loss(output, labels)
         self._maybe_rebuild()
         c = self.config
@@ -197,7 +208,7 @@ class LSHSoftmax(SeededModule):
         w, b = sparse_rows(active, self.weight, self.bias)
         logits = torch.addmm(b, output.to(w.dtype), w.t())  # (B, A), in the layer's dtype
         pos = torch.where(labels >= 0, where[labels.clamp(min=0)], labels)
-        return _soft_target(logits, pos)
+        return soft_target(logits, pos)
 
     def _eval_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The exact soft-target loss of eval logits; LSH-only ones (a label's class not
@@ -210,7 +221,7 @@ class LSHSoftmax(SeededModule):
                 "the loss would be infinite. Evaluate with inference='exact' (the default) "
                 "and ask for LSH predictions with head.predict(h, k, inference='lsh')"
             )
-        return _soft_target(logits, labels)
+        return soft_target(logits, labels)
 
     def _check_output(self, output: torch.Tensor) -> None:
         """`loss` takes what forward returns: h (B, in_features) in training, logits in eval."""
@@ -245,16 +256,20 @@ class LSHSoftmax(SeededModule):
             self.stats["redraws"] += 1
             self.rebuild()
             return
-        if step % c.check_every:
-            return
+        if step % c.check_every == 0:
+            self._probe(self._gen)
+
+    def _probe(self, gen: torch.Generator) -> None:
+        """Rehash up to probe_rows of the classes marked moved; rebuild past the threshold."""
         moved = self.moved.nonzero().squeeze(1)
         change = 0.0
         if moved.numel():
-            pick = torch.randperm(moved.numel(), generator=self._gen)[: c.probe_rows]
+            pick = torch.randperm(moved.numel(), generator=gen)[: self.config.probe_rows]
             change = self.tables.changed_fraction(self.weight, moved[pick.to(moved.device)])
         self.stats["checks"] += 1
         self.stats["last_change"] = change
-        if change >= c.rebuild_threshold:
+        self._probed = self.weight._version
+        if change >= self.config.rebuild_threshold:
             self.rebuild()
 
     # -- a failed step, forgotten -----------------------------------------------------
@@ -288,8 +303,8 @@ class LSHSoftmax(SeededModule):
         self.active = saved.active
 
     def __getstate__(self) -> dict[str, Any]:
-        """As nn.Module's, less the savepoint reference (a weakref does not pickle)."""
-        return {**self.__dict__, "_savepoint": None}
+        """As nn.Module's, less the weak references (they do not pickle)."""
+        return {**self.__dict__, "_savepoint": None, "_lsh_of": None}
 
     def _keep_tables(self) -> None:
         """Before a rebuild or redraw overwrites them: a copy of the tables and hash
@@ -318,8 +333,16 @@ class LSHSoftmax(SeededModule):
             )
         x = h.to(self.weight.dtype)  # as training: retrieval hashes h, the matmul takes x
         if mode == "exact":
+            if torch.is_grad_enabled() and self.weight.requires_grad:
+                self.moved.fill_(True)  # every row may move (fine-tuning in eval mode)
             return F.linear(x, self.weight, self.bias)
-        return self._lsh_logits(h, x)
+        if self.weight._version != getattr(self, "_probed", self.weight._version):
+            # the weights moved since the tables were last checked: probe them first, on a
+            # generator of its own (training's random stream is left as it was)
+            self._probe(torch.Generator().manual_seed(self.weight._version))
+        out = self._lsh_logits(h, x)
+        self._lsh_of = (weakref.ref(out), h.detach())  # for an exact eval loss of `out`
+        return out
 
     @torch.no_grad()
     def _lsh_logits(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -355,84 +378,3 @@ class LSHSavepoint:
         self.stats, self.active = dict(layer.stats), layer.active
         # (buffer, its value) of the tables and hash functions: copied on the first rebuild
         self.tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-
-def soft_target_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of -sum over a row's labels of log softmax / the row's label count:
-    SLIDE's multi-label target 1/|Y|. `labels`: (B,) or (B, M) class ids, -1 padding, a
-    label repeated in a row counted once (checked: a ConfigError names what is wrong).
-    Rows without labels add 0; no rows give 0. In fp32 or wider: bf16 and fp16 logits are
-    raised to fp32, float64 ones kept."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ConfigError(f"soft_target_loss: logits {got} must be (B, num_classes)")
-    return _soft_target(logits, _as_label_matrix(labels, logits.shape[0], logits.shape[1]))
-
-
-def _soft_target(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """soft_target_loss on labels already checked: (B, M) int64, -1 padding, no repeats."""
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), 1)
-    valid = labels >= 0
-    if logp.shape[0] == 0 or logp.shape[1] == 0 and not valid.any():  # nothing to score
-        return logp.sum()  # 0, and a gradient of zeros (no rows, or an empty active set)
-    # a pad gathers class 0, whose log p may be -inf (LSH inference): masked, not * 0 (nan)
-    picked = logp.gather(1, labels.clamp(min=0)).masked_fill(~valid, 0.0)
-    count = valid.sum(1).clamp(min=1)
-    return -(picked.sum(1) / count).mean()
-
-
-def _as_label_matrix(labels: Any, rows: int, num_classes: int) -> torch.Tensor:
-    """Labels as (B, M) int64 with -1 padding; a (B,) vector is one label per row. A
-    label repeated within a row counts once (SLIDE's target is 1/|Y| over the label set)."""
-    if not isinstance(labels, torch.Tensor):
-        raise ConfigError(f"labels must be an integer tensor, got {type(labels).__name__}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise ConfigError(f"labels must be an integer tensor of class ids, got {labels.dtype}")
-    labels = labels.long()
-    if labels.dim() == 1:
-        labels = labels[:, None]
-    if labels.dim() != 2 or labels.shape[0] != rows:
-        raise ConfigError(
-            f"labels of shape {tuple(labels.shape)} must be (B,) or (B, M) with B={rows}"
-        )
-    if labels.numel() and int(labels.max()) >= num_classes:
-        raise ConfigError(f"labels hold {int(labels.max())}, but num_classes={num_classes}")
-    if labels.numel() and int(labels.min()) < -1:
-        raise ConfigError(f"labels hold {int(labels.min())}: class ids are >= 0, -1 pads a row")
-    if labels.shape[1] > 1:  # a label given twice in a row is one label (the target is a set)
-        labels = labels.sort(dim=1).values
-        again = torch.zeros_like(labels, dtype=torch.bool)
-        again[:, 1:] = (labels[:, 1:] == labels[:, :-1]) & (labels[:, 1:] >= 0)
-        labels = labels.masked_fill(again, -1)
-    return labels
-
-
-def sparse_rows(
-    active: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight[active], bias[active] whose backward gives weight and bias sparse gradients
-    holding only the rows `active` (sorted, unique); for LazyAdam or SparseAdam."""
-    return _SparseRows.apply(active, weight, bias)
-
-
-class _SparseRows(torch.autograd.Function):
-    """W[active], b[active], with sparse gradients: only the active rows get one."""
-
-    @staticmethod
-    def forward(ctx: Any, active: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> Any:
-        ctx.save_for_backward(active)
-        ctx.shapes = (weight.shape, bias.shape)
-        return weight[active], bias[active]
-
-    @staticmethod
-    def backward(ctx: Any, grad_w: torch.Tensor, grad_b: torch.Tensor) -> Any:
-        (active,) = ctx.saved_tensors
-        w_shape, b_shape = ctx.shapes
-        idx = active[None, :]
-        gw = torch.sparse_coo_tensor(
-            idx, grad_w, w_shape, is_coalesced=True, check_invariants=False
-        )
-        gb = torch.sparse_coo_tensor(
-            idx, grad_b, b_shape, is_coalesced=True, check_invariants=False
-        )
-        return None, gw, gb

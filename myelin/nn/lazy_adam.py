@@ -41,7 +41,15 @@ class LazyAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        **torch_only: Any,
     ) -> None:
+        if torch_only:  # foreach, fused, capturable, differentiable: torch Adam's kernels
+            names = ", ".join(sorted(torch_only))
+            raise ConfigError(
+                f"LazyAdam does not take {names}: it has one row-wise update of its own "
+                "(torch.optim.Adam's foreach, fused, capturable and differentiable choose "
+                "among torch's kernels); leave them out"
+            )
         _refuse_unsupported(weight_decay, amsgrad, maximize)
         defaults = {"lr": lr, "betas": betas, "eps": eps}
         _check_settings(defaults)
@@ -60,6 +68,14 @@ class LazyAdam(torch.optim.Optimizer):
             _check_settings(merged)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.is_complex():
+                self.param_groups.pop()
+                raise ConfigError(
+                    f"LazyAdam: a complex parameter {tuple(p.shape)} is not supported (its "
+                    "second moment would be g*g, not |g|^2 as torch.optim.Adam's); train it "
+                    "with torch.optim.Adam, or as torch.view_as_real of a real parameter"
+                )
         group["betas"] = tuple(group["betas"])
 
     @torch.no_grad()
@@ -80,6 +96,12 @@ class LazyAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         rows_of = _as_rows(p)  # (R, d): a view of p, or a copy written back below
         state = self.state[p]
+        if state and state["step"].dim() == 0:  # torch Adam's one count: every row's
+            count = int(state["step"].item())
+            state["step"] = torch.full((rows_of.shape[0],), count, dtype=torch.long,
+                                       device=p.device)  # fmt: skip
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = state[key].reshape(rows_of.shape)
         if not state:
             state["exp_avg"] = torch.zeros_like(rows_of)
             state["exp_avg_sq"] = torch.zeros_like(rows_of)

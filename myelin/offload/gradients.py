@@ -17,15 +17,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Gradients"]
+__all__ = ["Gradients", "sparse_params"]
 
 
 class Gradients:
     """The fp32 gradient of each of `params`: `holders[i].grad`."""
 
-    def __init__(self, params: Sequence[nn.Parameter], half: bool) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], half: bool, sparse: frozenset[int] = frozenset()
+    ) -> None:
         self.params = list(params)
         self.half = half
+        # parameters whose gradients are sparse (their ids): counted as what they hold
+        self.sparse = [i for i, p in enumerate(self.params) if id(p) in sparse]
+        size = 4 if half else None
+        skip = set(self.sparse)
+        self._dense_bytes = sum(
+            p.numel() * (size or p.element_size())
+            for i, p in enumerate(self.params)
+            if i not in skip
+        )
         self.handles: list[Any] = []  # the summing hooks (half precision only)
         if not half:
             self.holders: list[torch.Tensor] = self.params
@@ -55,10 +66,15 @@ class Gradients:
         index = {id(p): i for i, p in enumerate(self.params)}
         return [self.holders[index[id(p)]] for p in trained]
 
-    def bytes_per_step(self) -> int:
-        """Bytes the step's gradients take on the device."""
-        size = 4 if self.half else None
-        return sum(p.numel() * (size or p.element_size()) for p in self.params)
+    def held_bytes(self) -> int:
+        """Bytes the step's gradients take on the device: every dense one whole (it is,
+        from the first backward on), a sparse one as the rows it holds so far."""
+        total = self._dense_bytes
+        for i in self.sparse:
+            g = self.holders[i].grad
+            if g is not None:
+                total += _nbytes(g)
+        return total
 
     def clear(self) -> None:
         for t in self.params:
@@ -86,3 +102,22 @@ def _summing_into(carrier: torch.Tensor):
         p.grad = None
 
     return hook
+
+
+def sparse_params(module: nn.Module) -> frozenset[int]:
+    """ids of the parameters of `module` whose backward gives sparse gradients: those a
+    module names in `sparse_gradients` (an LSHSoftmax's weight and bias), and the weight
+    of an nn.Embedding or nn.EmbeddingBag with sparse=True."""
+    found = set()
+    for m in module.modules():
+        names = getattr(type(m), "sparse_gradients", ())
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse:
+            names = ("weight",)
+        found.update(id(p) for n in names if isinstance(p := getattr(m, n, None), nn.Parameter))
+    return frozenset(found)
+
+
+def _nbytes(g: torch.Tensor) -> int:
+    if g.is_sparse:  # indices and values, as accumulated (not coalesced)
+        return g._indices().nbytes + g._values().nbytes
+    return g.numel() * g.element_size()

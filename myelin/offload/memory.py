@@ -24,6 +24,7 @@ from myelin.errors import ConfigError
 from myelin.offload.activations import ActivationStore
 from myelin.offload.budget import DeviceBudget
 from myelin.offload.config import OffloadConfig
+from myelin.offload.gradients import sparse_params
 from myelin.offload.layers import Ahead
 from myelin.offload.optimizer import Updater
 from myelin.offload.pool import HostPool, default_host_limit
@@ -94,6 +95,7 @@ def build_memory(
             names=names,
             clip=clip,
             where=f"rank {rank} (stage {stage})",
+            sparse=sparse_params(module),
         )
     elif precision == "fp16" and world_size > 1:
         raise ConfigError(

@@ -63,7 +63,9 @@ class Updater:
         names: list[str] | None = None,
         clip: Any = None,
         where: str = "this stage",
+        sparse: frozenset[int] = frozenset(),
     ) -> None:
+        # sparse: ids of parameters with sparse gradients (gradients.sparse_params)
         # initial: fp32 values the masters start from (default: the parameters themselves)
         if mode != "device" and pool is None:
             raise ConfigError(f"optimizer offload mode {mode!r} needs a host pool")
@@ -78,7 +80,7 @@ class Updater:
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda and mode != "device" else None
         self.clip = clip
-        self.grads = Gradients(params, self.half)  # fp32, summed in fp32 under half precision
+        self.grads = Gradients(params, self.half, sparse)  # fp32, summed in fp32 under half
         # "host" on a CPU in fp32: parameters and gradients are host memory; state goes alone
         self._in_place = mode == "host" and self.device.type == "cpu" and not self.half
         self.masters = self._make_masters(initial or [p.detach() for p in params])
@@ -169,6 +171,8 @@ class Updater:
         step was skipped (on every rank)."""
         self._armed = False
         self.link.adopt_edits()  # a parameter the user edited since the last step
+        if self.budget is not None and self.grads.sparse:  # the last backward's rows too
+            self.budget.set("gradients", self.grads.held_bytes(), "the optimizer step")
         if (self.mode == "device" or self._in_place) and not self.half:
             if self.clip is not None:
                 self.clip.clip([p.grad for p in self.params])

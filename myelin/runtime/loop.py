@@ -92,7 +92,6 @@ class EventLoop:
         self.updater = updater
         self.config = config
         self.budget = budget
-        self._grad_bytes = updater.grads.bytes_per_step() if updater is not None else 0
         self.stats = LoopStats()
         self.flight = flight or FlightRecorder(world.rank)
         self.liveness = liveness  # heartbeats (runtime/liveness.py), when peers exist
@@ -384,8 +383,9 @@ class EventLoop:
         """Gradients take memory from the step's first backward; the last one, if `whole`
         (not an I whose W comes later), may stream them to the host or start their
         all-reduce (not tied ones: summed after it)."""
-        if self.budget is not None and ready.backwards_done == 0:
-            self.budget.set("gradients", self._grad_bytes, f"the backward of microbatch {mb}")
+        grads = self.updater.grads if self.budget is not None and self.updater is not None else None
+        if grads is not None and (ready.backwards_done == 0 or grads.sparse):  # sparse: rows
+            self.budget.set("gradients", grads.held_bytes(), f"the backward of microbatch {mb}")
         last = ready.backwards_done == ready.microbatches - 1 and self.updater is not None
         last = last and whole and not ready.weights
         reduced = self.tied or (self.replicas is not None and self.replicas.reduces_gradients)

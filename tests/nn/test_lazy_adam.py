@@ -79,3 +79,36 @@ def test_a_groups_betas_given_as_a_list_are_kept_as_a_tuple():
     p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     opt = LazyAdam([{"params": [p], "betas": [0.5, 0.6]}, {"params": [q]}], betas=[0.8, 0.9])
     assert [g["betas"] for g in opt.param_groups] == [(0.5, 0.6), (0.8, 0.9)]
+
+
+def test_torch_adams_state_loaded_into_lazy_adam_continues_as_torch_adam():
+    # the 0-d "step" of torch's Adam was an IndexError at LazyAdam's next step
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(5, 3, dtype=torch.float64)), nn.Parameter(torch.randn(5))
+    w2, b2 = nn.Parameter(w.detach().clone()), nn.Parameter(b.detach().clone())
+    adam, ref = torch.optim.Adam([w, b], lr=0.1), torch.optim.Adam([w2, b2], lr=0.1)
+    grads = [(torch.randn(5, 3, dtype=torch.float64), torch.randn(5)) for _ in range(4)]
+    for gw, gb in grads[:2]:
+        for opt, (p, q) in ((adam, (w, b)), (ref, (w2, b2))):
+            p.grad, q.grad = gw.clone(), gb.clone()
+            opt.step()
+    lazy = LazyAdam([w, b], lr=0.1)
+    lazy.load_state_dict(adam.state_dict())
+    for gw, gb in grads[2:]:
+        for opt, (p, q) in ((lazy, (w, b)), (ref, (w2, b2))):
+            p.grad, q.grad = gw.clone(), gb.clone()
+            opt.step()
+    assert torch.allclose(w, w2, rtol=0, atol=1e-12) and torch.allclose(b, b2, rtol=0, atol=1e-6)
+    assert lazy.state[w]["step"].tolist() == [4] * 5
+
+
+def test_a_complex_parameter_is_refused_saying_why():
+    # its second moment was g*g (complex), not |g|^2 as torch's Adam: silently another rule
+    with pytest.raises(ConfigError, match=r"complex parameter \(4, 2\)"):
+        LazyAdam([nn.Parameter(torch.zeros(4, 2, dtype=torch.complex64))])
+
+
+@pytest.mark.parametrize("name", ["foreach", "fused", "capturable", "differentiable"])
+def test_torch_adams_kernel_choices_are_a_config_error(name):
+    with pytest.raises(ConfigError, match=f"does not take {name}"):
+        LazyAdam([nn.Parameter(torch.zeros(2))], **{name: False})

@@ -261,8 +261,11 @@ def test_eval_with_labels_is_the_exact_loss_and_lsh_logits_are_refused_by_the_lo
     logits = lsh(h)
     missed = torch.isneginf(logits.gather(1, y[:, None])).any()
     assert missed  # the tables of 4 bits x 4 miss some label at this size
+    exact = h @ lsh.weight.detach().t() + lsh.bias.detach()
+    # the layer's own latest LSH logits (a Trainer's eval_step): the loss is the exact one
+    assert torch.allclose(lsh.loss(logits, y), soft_target_loss(exact, y))
     with pytest.raises(ConfigError, match="inference='exact'"):
-        lsh.loss(logits, y)
+        lsh.loss(logits.clone(), y)  # LSH-only logits it cannot trace back to their h
     assert torch.isfinite(lsh(h, y))  # eval with labels: exact logits, whatever `inference`
 
 
