@@ -188,11 +188,11 @@ class Hogbatch:
 
         trained = [p for p in model.parameters() if p.requires_grad]
         lr, wd = check_optimizer(optimizer, trained)
-        check_model(model)
         check_loss_fn(loss_fn)
         if type(epochs) is not int or epochs < 1:
             raise ConfigError(f"Hogbatch.fit(epochs={epochs!r}): must be an int >= 1")
         data = dataset_of(data, "Hogbatch.fit(data=...)")
+        check_model(model, data[0])
         if resume is not None:
             self.check_resume(resume, sum(p.numel() for p in trained), data[0].shape[0])
         if eval_data is not None:

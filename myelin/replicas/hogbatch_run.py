@@ -370,6 +370,7 @@ class _Run:
                     pending.discard(w)
                     self.procs[w].join(5)
                     self._lost(w, evaluator)  # died before saying it stopped
+        self.wall_s = time.perf_counter() - self.t0  # the batches that landed took this long
         for w in sorted(self.alive):
             self.procs[w].join(max(deadline - time.monotonic(), 0))
 

@@ -23,15 +23,13 @@ import sys
 from typing import Any
 
 import torch
-from torch.nn.utils.parametrizations import _SpectralNorm
-from torch.nn.utils.parametrize import is_parametrized, type_before_parametrizations
-from torch.nn.utils.spectral_norm import SpectralNorm
 from tqdm.auto import tqdm
 
 from myelin.errors import ConfigError
 from myelin.replicas import Context, Strategy
 from myelin.replicas.flat import flatten
 from myelin.replicas.hogbatch_dispatch import progress_done
+from myelin.replicas.hogbatch_model import check_model
 from myelin.replicas.hogbatch_run import Run, counters
 from myelin.replicas.hogbatch_store import load_flat
 
@@ -128,11 +126,12 @@ class HogbatchStrategy(Strategy):
         if args.get("progress") and trainer.rank == 0:
             hooks = [*hooks, _EpochBar(epochs)]
         lr, wd = check_optimizer(trainer.optimizer, self.params)
-        check_model(trainer.module)
         check_loss_fn(trainer.loop.stage.loss_fn)
-        x, y = dataset_of(data, "fit")
+        dtype = trainer.loop.stage.dtype  # floating inputs in it, as the Trainer's stage casts
+        x, y = _cast(dataset_of(data, "fit"), dtype)
+        check_model(trainer.module, x)
         evals = args.get("eval_loader")
-        eval_data = dataset_of(evals, "fit: eval_loader") if evals is not None else None
+        eval_data = _cast(dataset_of(evals, "fit: eval_loader"), dtype) if evals else None
         resume, start = None, flatten(self.params).cpu()  # the weights fit starts from
         if self.controller is not None:
             resume = {"weights": start, "controller": self.controller,
@@ -311,41 +310,6 @@ def check_loss_fn(loss_fn: Any) -> None:
         )
 
 
-def check_model(model: torch.nn.Module) -> None:
-    """Only parameters are shared: buffers a training forward updates (BatchNorm's running
-    statistics, spectral_norm's power iteration) would stay in each worker's copy and never
-    reach the model, so such a module is a ConfigError. A float64 model trains in the
-    shared fp32 copy, with a warning (as the Trainer casts one to its precision)."""
-    if any(p.dtype == torch.float64 for p in model.parameters()):
-        log.warning("Hogbatch: the model's float64 parameters train as fp32 (the one shared copy)")
-    for name, m in model.named_modules():
-        where = f"module {name or '(the model)'!r} ({type_before_parametrizations(m).__name__})"
-        if (
-            getattr(m, "track_running_stats", False)
-            and getattr(m, "running_mean", None) is not None
-        ):
-            raise ConfigError(
-                f"Hogbatch shares the parameters only, and {where} keeps running statistics, "
-                f"which each worker would update in its own copy and the model would never "
-                f"get; use track_running_stats=False or a LayerNorm/GroupNorm"
-            )
-        if _spectral_norm(m):
-            raise ConfigError(
-                f"Hogbatch shares the parameters only, and {where} has spectral_norm, whose "
-                f"power iteration (its u and v buffers) each worker would update in its own "
-                f"copy and the model would never get (it would be evaluated and saved with "
-                f"the first ones); use weight_norm, or train it without Hogbatch"
-            )
-
-
-def _spectral_norm(m: torch.nn.Module) -> bool:
-    """Whether spectral_norm (the parametrization, or the older forward hook) is on `m`."""
-    chains = m.parametrizations.values() if is_parametrized(m) else []
-    return any(isinstance(p, _SpectralNorm) for chain in chains for p in chain) or any(
-        isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()
-    )
-
-
 def _check_holds(held: list[Any], trainable: list[Any]) -> None:
     """The workers step every trainable parameter: an optimizer over fewer of them (to freeze
     the rest) would silently train those too."""
@@ -379,10 +343,17 @@ def dataset_of(data: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
         )
     if isinstance(data, torch.utils.data.TensorDataset):
         data = data.tensors
+    if isinstance(data, (tuple, list)) and any(
+        isinstance(t, torch.Tensor) and t.layout != torch.strided for t in data
+    ):
+        raise ConfigError(
+            f"{where}: under sync=Hogbatch the data must be dense tensors (the workers share "
+            f"them in shared memory, which sparse ones cannot be); pass t.to_dense()"
+        )
     if (
         not isinstance(data, (tuple, list))
         or len(data) != 2
-        or not all(isinstance(t, torch.Tensor) for t in data)
+        or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in data)
         or data[0].shape[0] != data[1].shape[0]
         or data[0].shape[0] < 1
     ):
@@ -391,6 +362,12 @@ def dataset_of(data: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
             f"equal length >= 1, or a TensorDataset of two"
         )
     return data[0], data[1]
+
+
+def _cast(data: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple:
+    """(inputs, targets) with floating-point inputs in `dtype` (a float64 array from numpy)."""
+    x, y = data
+    return (x.to(dtype) if x.is_floating_point() else x), y
 
 
 def worker_copy(module: torch.nn.Module) -> torch.nn.Module:
