@@ -222,7 +222,8 @@ class _Reduction:
         self.works: list[tuple[Any, torch.Tensor | None, list[torch.Tensor]]] = []
         self.had: dict[int, bool] = {}
         self.twice: int | None = None
-        self.tail: tuple[int, list[int]] | None = None  # (offset, flagged) in the last bucket
+        # the last bucket when the loss and flags ride in it: (its flat, their offset, flagged)
+        self.tail: tuple[torch.Tensor, int, list[int]] | None = None
 
     def final(self, i: int) -> None:
         """Parameter i's gradient is final (its hook ran in the last backward)."""
@@ -252,16 +253,19 @@ class _Reduction:
                 h.grad = torch.zeros_like(h)
             grads.append(h.grad)
         parts = [g.reshape(-1) for g in grads]
-        if loss is not None and grads and grads[0].dtype in _CARRIES_LOSS:
-            flags = [float(self.had[i]) for i in self.had]
-            parts.append(torch.tensor([loss, *flags], dtype=grads[0].dtype, device=grads[0].device))
-            self.tail = (sum(g.numel() for g in grads), list(self.had))
+        riding = loss is not None and grads[0].dtype in _CARRIES_LOSS
+        if riding:
+            flagged = list(self.had)
+            sums = [loss, *(float(self.had[i]) for i in flagged)]
+            parts.append(torch.tensor(sums, dtype=grads[0].dtype, device=grads[0].device))
         flat = torch.cat(parts)
         self.works.append((self.owner.comm.start(flat, self.owner.group, "gradients"), flat, grads))
-        if self.tail is not None and len(self.works) == len(self.plan):  # its bytes are the loss's
-            riding = parts[-1].numel() * parts[-1].element_size()
-            self.owner.comm.count("gradients", -riding, 0)
-            self.owner.comm.count("loss", riding, 0)  # no collective of its own
+        if riding:  # those bytes are the loss's, in no collective of its own
+            start = flat.numel() - len(sums)
+            self.tail = (flat, start, flagged)
+            nbytes = len(sums) * flat.element_size()
+            self.owner.comm.count("gradients", -nbytes, 0)
+            self.owner.comm.count("loss", nbytes, 0)
         owner = self.owner
         owner.buckets += 1
         owner.overlapped += when == "backward"
@@ -296,8 +300,8 @@ class _Reduction:
             owner.comm.wait(work, "loss" if flat is None else "gradients")
             if flat is None:
                 continue
-            if self.tail is not None and work is works[len(self.plan) - 1][0]:
-                start, flagged = self.tail
+            if self.tail is not None and flat is self.tail[0]:  # read before the division
+                _, start, flagged = self.tail
                 sums = flat[start:].double()
             flat.div_(owner.replicas)
             offset = 0

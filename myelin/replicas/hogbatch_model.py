@@ -128,10 +128,10 @@ def check_model(model: torch.nn.Module, x: torch.Tensor | None = None) -> None:
 
 def _check_buffers(model: torch.nn.Module, x: torch.Tensor) -> None:
     """A ConfigError naming a buffer a training forward of a copy of `model` updates."""
+    if next(model.buffers(), None) is None:  # nothing to update: no copy to make
+        return
     probe = copy.deepcopy(model).train()
     before = {name: b._version for name, b in probe.named_buffers()}
-    if not before:
-        return
     param = next(probe.parameters(), None)
     sample = x[:2]
     if param is not None:

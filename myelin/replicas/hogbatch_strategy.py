@@ -131,7 +131,7 @@ class HogbatchStrategy(Strategy):
         x, y = _cast(dataset_of(data, "fit"), dtype)
         check_model(trainer.module, x)
         evals = args.get("eval_loader")
-        eval_data = _cast(dataset_of(evals, "fit: eval_loader"), dtype) if evals else None
+        eval_data = None if evals is None else _cast(dataset_of(evals, "fit: eval_loader"), dtype)
         resume, start = None, flatten(self.params).cpu()  # the weights fit starts from
         if self.controller is not None:
             resume = {"weights": start, "controller": self.controller,
