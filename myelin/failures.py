@@ -91,6 +91,10 @@ class Failures:
 
     def leave(self, steps: int, evals: int) -> None:
         """The step is over: `steps` trainer.step and `evals` eval_step calls done."""
+        done = _count(steps, "training step")
+        if evals:
+            done += f" and {_count(evals, 'evaluation')}"
+        self.flight.now(f"between steps, after {done}")
         if self.liveness is not None:
             self.liveness.where = None
             self.liveness.counts = (steps, evals)
@@ -119,8 +123,13 @@ class Failures:
         exhausted device named as such. Tell the other ranks, and write the flight record
         (its last lines go into the error's notes)."""
         error = self.describe(exc, doing)
+        # A rank Ctrl-C interrupted keeps that as its error (a peer's of the same Ctrl-C is
+        # no news); one its launcher stopped (or interrupted) did not fail first.
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        stopped = interrupted or (self.liveness is not None and self.liveness.stopped)
         lost = self.liveness.find_lost() if self.liveness is not None else None
-        if lost is not None and not isinstance(exc, (PeerLostError, DeviceMemoryError)):
+        named = isinstance(exc, (PeerLostError, DeviceMemoryError))  # (they say what failed)
+        if lost is not None and not interrupted and not named:
             self.liveness.acknowledged = True
             error = fresh(lost)
         self.failed = error
@@ -129,9 +138,9 @@ class Failures:
         if isinstance(error, PeerLostError) and self.world is not None:
             abandon_groups(self.world)  # a gloo thread may wait on the silent peer forever
         if not isinstance(error, RemoteError):  # (a RemoteError's rank has told already)
-            if not isinstance(error, PeerLostError):  # (the lost rank failed first, not this)
+            if not isinstance(error, PeerLostError) and not stopped:  # (it did not fail first)
                 launched.tell(f"failed {self.rank}")  # the launcher stops the others now
-            self.abort(error)
+            self.abort(error, stopped)
         if isinstance(error, Exception) and not getattr(error, "_myelin_recorded", False):
             self.flight.note(f"failed in {doing}: {type(error).__name__}")
             self.record(error)
@@ -149,9 +158,10 @@ class Failures:
             yield
             return
         live = self.liveness
-        outer = live.where if live is not None else None
+        outer, before = (live.where if live is not None else None), self.flight.doing
         if live is not None:  # the peers' heartbeats say so (runtime/apart.py)
             live.where = doing
+        self.flight.now(f"in {doing}")  # (what a lost rank's peers and its errors name)
         try:
             yield
         except (ConfigError, CheckpointError):
@@ -159,6 +169,7 @@ class Failures:
         except BaseException as exc:
             self.raise_failed(exc, doing)
         finally:
+            self.flight.now(before)
             if live is not None:
                 live.where = outer
 
@@ -202,12 +213,13 @@ class Failures:
             f"(whole record {where})"
         )
 
-    def abort(self, exc: BaseException) -> None:
-        """Tell every other rank this one failed, so none waits for it until a timeout."""
+    def abort(self, exc: BaseException, stopped: bool = False) -> None:
+        """Tell every other rank this one failed (or, `stopped`, was stopped by its
+        launcher), so none waits for it until a timeout."""
         if self.transport is None:
             return
         detail = f"{type(exc).__name__}: {exc}"[:2000]
-        meta: dict[str, Any] = {"op": "abort", "error": detail}
+        meta: dict[str, Any] = {"op": "abort", "error": detail, "stopped": stopped}
         if isinstance(exc, PeerLostError):
             meta.update(lost=exc.rank, doing=exc.doing[:200])
         for r in range(self.world_size):
@@ -286,3 +298,7 @@ class Failures:
         for signum, handler in self._old.items():
             signal.signal(signum, handler)
         self._old.clear()
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" + ("" if n == 1 else "s")

@@ -15,6 +15,7 @@ logged, never acted on; an `abort` from another rank is raised here as its error
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from myelin.errors import MyelinError, PeerLostError, RemoteError
 from myelin.profile.timeline import Timeline
 from myelin.runtime.flight import FlightRecorder
 from myelin.runtime.group import World
+from myelin.runtime.liveness import STOP_GRACE_S
 from myelin.runtime.logs import Throttled
 from myelin.runtime.messages import Message
 from myelin.runtime.outbox import message_span
@@ -308,6 +310,10 @@ class Inbox:
         lost = msg.meta.get("lost")
         if self.liveness is not None:
             self.liveness.check()  # this rank's own view of the loss comes first
+            if msg.meta.get("stopped") is True and not self.liveness.stopped:
+                # Its launcher stopped it, and most likely this rank too: its own signal
+                # (raised from inside the sleep) is the error to raise, if it comes.
+                time.sleep(STOP_GRACE_S)
         if type(lost) is int:
             doing = str(msg.meta.get("doing", "unknown"))
             raise PeerLostError(lost, doing, f"rank {msg.src} reports: {detail}")

@@ -55,6 +55,9 @@ _LOOK_S = 0.5  # how often peers' processes and the launcher are looked at, at m
 # ranks' compute when ranks share cores (4 ranks on 2: 2 ms of a 25 ms step).
 _NEWS_S = 0.05
 _SEEN = (PeerLostError, RemoteError, LauncherLostError)  # another rank's failure, seen here
+# A peer its launcher stopped (Ctrl-C, SIGTERM) is news only if this rank is not stopped
+# too: launchers signal every rank at once, so this rank's own signal gets this long.
+STOP_GRACE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -105,6 +108,7 @@ class Liveness:
         self.counts = (0, 0)  # this rank's trainer.step and eval_step calls done so far
         self.where: str | None = None  # the step, evaluation or collective it is in, if any
         self._apart = Apart()
+        self._peer_stopped: tuple[float, _Peer, dict, str] | None = None  # (in its grace)
         self.launcher = launcher_pid()
         self._exiting = False  # closing at interpreter exit, where sys.last_value is news
         self._transport = transport
@@ -330,20 +334,28 @@ class Liveness:
 
     def _failed(self, peer: _Peer, beat: dict, failed: str) -> None:
         """A peer's goodbye says it failed: a loss it saw is relayed as that loss (whether
-        its trainer raised it or its script did: a survivor is never blamed for it); an
-        error its trainer told its peers of is a RemoteError, as the abort said; any
-        other error in its script loses the peer."""
+        its trainer raised it or its script did: a survivor is never blamed for it); a peer
+        its launcher stopped is news only once this rank's own stop is overdue; any other
+        failure is the peer's own (`_settle`)."""
         lost = beat.get("lost")  # a rank, or -1: the EASGD hub (hub_client.HUB_RANK)
         if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= -1:
             doing = str(beat.get("lost_doing", "unknown"))
             self.lost = PeerLostError(lost, doing, f"rank {peer.rank} reports: {failed}")
-        elif beat.get("told") is True:  # (`told`: its trainer sent its peers an abort)
-            self.lost = RemoteError(peer.rank, failed)
+            self.flight.note("rank %d failed: %s", peer.rank, failed)
+        elif beat.get("stopped") is True:
+            if not self.stopped and self._peer_stopped is None:
+                self._peer_stopped = (time.monotonic() + STOP_GRACE_S, peer, beat, failed)
         else:
-            quiet = beat.get("stopped") is True or self.stopped
-            self._lose(peer, f"it ended with an error: {failed}", quiet=quiet)
-            return
-        self.flight.note("rank %d failed: %s", peer.rank, failed)
+            self._settle(peer, beat, failed)
+
+    def _settle(self, peer: _Peer, beat: dict, failed: str) -> None:
+        """The peer's own failure: an error its trainer told its peers of is a RemoteError,
+        as the abort said; any other error in its script loses the peer."""
+        if beat.get("told") is True:  # (`told`: its trainer sent its peers an abort)
+            self.lost = RemoteError(peer.rank, failed)
+            self.flight.note("rank %d failed: %s", peer.rank, failed)
+        else:
+            self._lose(peer, f"it ended with an error: {failed}", quiet=self.stopped)
 
     def _look(self, now: float, beats: bool) -> None:
         if self.launcher is not None and self.lost is None and os.getppid() != self.launcher:
@@ -354,6 +366,9 @@ class Liveness:
             self.flight.note("lost its launcher (pid %d)", self.launcher)
             log.error("%s", self.lost)
             return
+        pending = self._peer_stopped
+        if pending is not None and self.lost is None and not self.stopped and now >= pending[0]:
+            self._settle(*pending[1:])  # this rank was not stopped with it: its error is news
         for peer in self._peers.values():
             if peer.left or self.lost is not None:
                 continue

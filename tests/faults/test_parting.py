@@ -169,6 +169,8 @@ def test_a_rank_killed_in_a_save_of_three_is_named_by_both_survivors(tmp_path):
         assert res is not None, f"rank {r} wrote nothing:\n{job.output[-4000:]}"
         assert res["error_type"] == "PeerLostError" and res["lost"] == 2, res
         assert res["time"] - victim["time"] < RAISE_S, res["time"] - victim["time"]
+        # where the victim was (its own code), not the last op it ran
+        assert "it was last between steps, after 3 training steps" in res["error"], res
     check_survivors_ended_well(job, tmp_path, (0, 1))
     assert ended - victim["time"] < END_S, ended - victim["time"]
 

@@ -1,7 +1,8 @@
-"""Train a small 2-stage pipeline for a while, so a test can do something to the launcher.
+"""Train a small pipeline (a stage per rank) for a while, so a test can do something to
+the launcher.
 
-Run by tests/faults/test_launcher.py as `myelin run -n 2 longrun.py --out DIR` (or under
-torchrun). After its first step each rank writes DIR/started/rank{r}.json (its pid and
+Run by tests/faults/test_launcher.py as `myelin run -n 2 longrun.py --out DIR [--save]`
+(or under torchrun); with --save each step is followed by a checkpoint save. After its first step each rank writes DIR/started/rank{r}.json (its pid and
 its parent's); it trains until --seconds have passed. It prints nothing: what the job
 prints is the launcher's and myelin's. Flight records go to DIR/flight/. If the trainer
 raises, the rank writes DIR/rank{r}.json (what, when) and re-raises.
@@ -23,6 +24,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--save", action="store_true", help="save a checkpoint every step")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
@@ -31,7 +33,7 @@ def main():
         model,
         optimizer=functools.partial(torch.optim.SGD, lr=0.01),
         loss_fn=F.cross_entropy,
-        stages=2,
+        stages=int(os.environ["WORLD_SIZE"]),
         microbatches=4,
         timeout=60,
         run_dir=args.out,
@@ -45,6 +47,8 @@ def main():
             json.dump({"pid": os.getpid(), "ppid": os.getppid(), "time": time.time()}, f)
         while time.monotonic() < end:
             trainer.step(x, y)
+            if args.save:
+                trainer.save(os.path.join(args.out, "ckpt"))
             time.sleep(0.01)
     except BaseException as exc:
         record = {"error_type": type(exc).__name__, "error": str(exc), "time": time.time()}

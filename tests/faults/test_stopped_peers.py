@@ -1,0 +1,169 @@
+"""Ranks a launcher stops together (Ctrl-C, SIGTERM) do not blame each other, and errors
+say where a rank was (issue 11's review).
+
+Before: a 3-rank checkpoint save interrupted by Ctrl-C could end with a RemoteError
+blaming rank 0's KeyboardInterrupt (a peer's goodbye replaced the rank's own interrupt),
+and a rank in a save or in user code after an evaluation was described as "in evaluation
+step N" (the last loop op). Heartbeats over real sockets, ranks in one process.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from myelin.errors import RemoteError
+from myelin.failures import Failures
+from myelin.profile.timeline import Timeline
+from myelin.runtime import launched
+from myelin.runtime.flight import FlightRecorder
+from myelin.runtime.group import Layout, World
+from myelin.runtime.inbox import Inbox
+from myelin.runtime.liveness import STOP_GRACE_S
+from myelin.runtime.loop import LoopStats
+from myelin.runtime.messages import Message
+from myelin.runtime.stage import Stage
+from tests.faults.test_relay import _close, _ranks, _told
+
+
+def _stopped_goodbye(lives, transports) -> None:
+    """Rank 1 is stopped by its launcher in a save: its trainer told its peers."""
+    lives[1].stopped = True
+    lives[1].failed = KeyboardInterrupt("rank 1 interrupted while in a checkpoint save")
+    lives[1].close()
+    transports[1].close()
+
+
+def test_a_peer_stopped_with_this_rank_is_no_news():
+    transports, lives = _ranks(2)
+    try:
+        lives[0].stopped = True  # the same Ctrl-C reached rank 0
+        _stopped_goodbye(lives, transports)
+        time.sleep(2 * STOP_GRACE_S + 0.5)
+        lives[0].check()  # nothing to raise: rank 0's own interrupt is its error
+        assert lives[0].lost is None
+    finally:
+        _close(transports[:1], lives[:1])
+
+
+def test_a_peer_stopped_alone_is_news_after_the_grace():
+    transports, lives = _ranks(2)
+    try:
+        closed = time.monotonic()
+        _stopped_goodbye(lives, transports)
+        time.sleep(0.3)
+        assert lives[0].lost is None  # rank 0's own signal may still be on its way
+        error = _told(lives[0])
+        assert time.monotonic() - closed >= STOP_GRACE_S
+        assert isinstance(error, RemoteError) and error.rank == 1, error
+        assert "KeyboardInterrupt" in str(error)
+    finally:
+        _close(transports[:1], lives[:1])
+
+
+def test_an_interrupted_rank_keeps_its_interrupt_and_does_not_fail_first(tmp_path, monkeypatch):
+    """A peer's error heard of meanwhile does not replace the rank's KeyboardInterrupt; the
+    launcher is not told this rank failed; the peers' abort says it was stopped."""
+    transports, lives = _ranks(2)
+    told, sent = [], []
+    monkeypatch.setattr(launched, "tell", told.append)
+    try:
+        failures = Failures(0, 2, tmp_path)
+        failures.connected(transports[0], lives[0], None)
+        transports[0].send_control = lambda r, meta: sent.append((r, meta))
+        lives[0].lost = RemoteError(1, "KeyboardInterrupt: rank 1 interrupted")
+        error = failures.fail(KeyboardInterrupt("rank 0 interrupted"), "a checkpoint save")
+        assert isinstance(error, KeyboardInterrupt) and "rank 0" in str(error)
+        assert told == []  # not "failed 0": the launcher stopped it
+        assert [(r, m["op"], m["stopped"]) for r, m in sent] == [(1, "abort", True)]
+    finally:
+        _close(transports, lives)
+
+
+def test_a_real_failure_is_still_told_to_the_launcher(tmp_path, monkeypatch):
+    transports, lives = _ranks(2)
+    told, sent = [], []
+    monkeypatch.setattr(launched, "tell", told.append)
+    try:
+        failures = Failures(0, 2, tmp_path)
+        failures.connected(transports[0], lives[0], None)
+        transports[0].send_control = lambda r, meta: sent.append((r, meta))
+        error = failures.fail(ValueError("a bad batch"), "training step 2")
+        assert isinstance(error, ValueError)
+        assert told[0] == "failed 0"
+        assert [(m["op"], m["stopped"]) for _, m in sent] == [("abort", False)]
+    finally:
+        _close(transports, lives)
+
+
+class _Stopped:
+    """A liveness of a rank not yet stopped itself, with nothing lost."""
+
+    stopped = False
+
+    def check(self) -> None:
+        pass
+
+
+def _inbox() -> Inbox:
+    world = World(rank=0, layout=Layout(2, 1), device=torch.device("cpu"))
+    stage = Stage(torch.nn.Linear(2, 2), 0, 2, world.device, torch.nn.functional.mse_loss)
+    return Inbox(
+        stage,
+        world,
+        None,
+        2,
+        LoopStats(),
+        timeline=Timeline(0, 0, enabled=False),
+        flight=FlightRecorder(0),
+        liveness=_Stopped(),
+    )
+
+
+def _abort(stopped: bool) -> Message:
+    meta = {"op": "abort", "error": "KeyboardInterrupt: rank 1 interrupted", "stopped": stopped}
+    return Message("control", 1, 0, 0, 0, [], meta)
+
+
+def test_a_stopped_peers_abort_lets_this_ranks_own_signal_come_first():
+    """The abort of a peer its launcher stopped waits the grace: this rank's own signal
+    (the same launcher's), arriving meanwhile, is what it raises."""
+    inbox = _inbox()
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt("rank 0 interrupted")
+
+    old = signal.signal(signal.SIGALRM, interrupted)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt, match="rank 0"):
+            inbox.handle([_abort(stopped=True)], None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="rank 1"):  # no signal came: the peer's error
+        inbox.handle([_abort(stopped=True)], None)
+    assert time.monotonic() - start >= STOP_GRACE_S
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="rank 1"):  # a failure of its own: at once
+        inbox.handle([_abort(stopped=False)], None)
+    assert time.monotonic() - start < STOP_GRACE_S
+
+
+def test_the_flight_says_where_a_rank_is_between_steps_and_in_a_collective(tmp_path):
+    failures = Failures(0, 2, tmp_path)
+    failures.flight.now("running 0F1 (forward of microbatch 1) in evaluation step 1")
+    failures.leave(3, 1)
+    assert failures.flight.doing == "between steps, after 3 training steps and 1 evaluation"
+    failures.transport = object()  # (peers: the collective is guarded)
+    with failures.collective("a checkpoint save"):
+        assert failures.flight.doing == "in a checkpoint save"
+    assert failures.flight.doing == "between steps, after 3 training steps and 1 evaluation"
+    failures.leave(4, 0)
+    assert failures.flight.doing == "between steps, after 4 training steps"
+    failures.leave(1, 2)
+    assert failures.flight.doing == "between steps, after 1 training step and 2 evaluations"
