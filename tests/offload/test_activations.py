@@ -582,3 +582,44 @@ def test_host_limit_error_propagates_out_of_the_forward():
     assert_all_equal(got, plain_grads(mlp_model, small, mlp_loss))
     assert store.stats.pages > 0
     assert pool.in_use_bytes == 0
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_only_accounted_forwards_on_inputs_seen_before_run_without_hooks(name, monkeypatch):
+    """Without pages or a limit to enforce, a forward on inputs shaped as one accounted
+    before is accounted as that one was (same bytes, released alike) without the per-tensor
+    hooks; new shapes, or a limit, go through the hooks again."""
+    model, batches, loss_fn = build(name)
+    store = make_store(model, None)
+    hooked = []
+    real = torch.autograd.graph.saved_tensors_hooks
+    monkeypatch.setattr(
+        torch.autograd.graph, "saved_tensors_hooks", lambda *a: hooked.append(1) or real(*a)
+    )
+
+    def forward(x, y, mb=0):
+        x = stage_input(x)
+        with store.saving(mb, keep=[x]):
+            loss = loss_fn(model(x), y)
+        return store.budget.resident["activations"], loss
+
+    first, loss = forward(*batches[0])
+    assert first > 0 and len(hooked) == 1
+    second, loss2 = forward(*batches[1], mb=1)  # (another microbatch, in flight too)
+    assert second == 2 * first and len(hooked) == 1  # the same bytes, no hooks
+    for mb, lo in enumerate((loss, loss2)):
+        lo.backward()
+        store.release(mb)
+    assert store.budget.resident["activations"] == 0
+    x, y = batches[0]  # new shapes: accounted again, through the hooks
+    more, loss = forward(torch.cat([x, x]), None if y is None else torch.cat([y, y]))
+    assert len(hooked) == 2 and more > first
+    loss.backward()
+    store.release(0)
+    limited = make_store(model, None, DeviceBudget(CPU, limit_bytes=GIB))
+    for _ in range(2):  # a limit the accounting enforces: every forward goes through hooks
+        x = stage_input(batches[0][0])
+        with limited.saving(0, keep=[x]):
+            loss_fn(model(x), batches[0][1]).backward()
+        limited.release(0)
+    assert len(hooked) == 4
