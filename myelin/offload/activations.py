@@ -23,9 +23,9 @@ that sit in the pipeline), `fetch` marks the start of a microbatch's backward, a
 `release` frees what is left after it. On a machine without a GPU the "device" is host
 memory too, so a page neither leaves nor comes back by a copy: the pool answers for its
 bytes while it is out (pages.py), it is accounted as resident while it is back, and
-backward gets the saved tensor itself. The hooks run per saved tensor, hundreds a step:
-the windows are summed per layer, not per tensor, and where nothing pages or enforces a
-limit, a forward on inputs shaped as an earlier one is accounted as that one, hookless.
+backward gets the saved tensor itself. The hooks run per saved tensor, hundreds a step,
+so their bookkeeping is kept to a few lookups: the windows are summed per layer, not per
+tensor.
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ class ActivationStore:
         # Parameters and buffers: autograd saves them too, but they are never copied.
         self._persistent = {t.untyped_storage().data_ptr() for t in persistent}
         self._mbs: dict[int, SavedMicrobatch] = {}
-        self._saved_by_inputs: dict[tuple, int] = {}  # inputs' shapes -> bytes saved (`saving`)
         self._saving: SavedMicrobatch | None = None  # the microbatch whose forward runs
         self._hooks: list[Any] = []
         self._waits: list[tuple[int, float, float]] = []  # (mb, start, end), perf_counter
@@ -140,15 +139,7 @@ class ActivationStore:
         would not free. `backward_next`: its backward runs right after, so its last layers
         stay on the device; otherwise every page leaves by the end of the forward."""
         entry = self._mbs.setdefault(mb, SavedMicrobatch())
-        doing = f"saving activations of microbatch {mb}"  # for errors: formatted once
-        like = None  # (the inputs' shapes, where only accounted: see the module's docstring)
-        if self.pool is None and (self.budget.measured or self.budget.limit_bytes is None):
-            like = (torch.is_grad_enabled(), *((t.shape, t.dtype) for t in keep))
-            if like in self._saved_by_inputs:
-                self._grow(entry, self._saved_by_inputs[like], doing)
-                yield
-                return
-        before, held = entry.resident, {t.untyped_storage().data_ptr() for t in keep}
+        held = {t.untyped_storage().data_ptr() for t in keep}
         # storage pointer -> (a live tensor on it, its page): views of one storage share a
         # page. The tensor is held weakly and checked, as a freed address can be reused.
         paged: dict[int, tuple[Any, Page]] = {}
@@ -156,6 +147,7 @@ class ActivationStore:
         persistent, min_bytes = self._persistent, self.min_bytes
         on_device = f"is_{self.device.type}"  # a Tensor property: is_cpu, is_cuda
         originals, moves = entry.originals, self._copier.moves
+        doing = f"saving activations of microbatch {mb}"  # for errors: formatted once
         entry.fetching = f"bringing back activations of microbatch {mb}"
 
         def pack(t: torch.Tensor) -> Any:
@@ -210,8 +202,6 @@ class ActivationStore:
                 pack if paging else account, self._unpack
             ):
                 yield
-            if like is not None:
-                self._saved_by_inputs[like] = entry.resident - before
             while entry.originals and not backward_next:
                 self._copy_out(entry, entry.originals.popleft())
             self.stats.layers = entry.layer + 1
