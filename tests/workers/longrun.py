@@ -2,10 +2,11 @@
 the launcher.
 
 Run by tests/faults/test_launcher.py as `myelin run -n 2 longrun.py --out DIR [--save]`
-(or under torchrun); with --save each step is followed by a checkpoint save. After its first step each rank writes DIR/started/rank{r}.json (its pid and
-its parent's); it trains until --seconds have passed. It prints nothing: what the job
-prints is the launcher's and myelin's. Flight records go to DIR/flight/. If the trainer
-raises, the rank writes DIR/rank{r}.json (what, when) and re-raises.
+(or under torchrun); with --save each step is followed by a checkpoint save. After its
+first step each rank writes DIR/started/rank{r}.json (its pid and its parent's); it
+trains until --seconds have passed. It prints nothing: what the job prints is the
+launcher's and myelin's. Flight records go to DIR/flight/. If the trainer raises, the
+rank writes DIR/rank{r}.json (what, when) and re-raises.
 """
 
 import argparse
