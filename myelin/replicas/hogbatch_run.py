@@ -427,7 +427,7 @@ def counters(stats: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             "updates": s["updates"],
             "samples": s["samples"],
             "share": s["updates"] / total,
-            "tau_median": statistics.median(tau) if tau else 0,
+            "tau_median": float(statistics.median(tau)) if tau else 0.0,  # (an int or half)
             "tau_p99": tau[min(len(tau) - 1, int(0.99 * len(tau)))] if tau else 0,
             "busy": s["busy_s"] / wall if wall > 0 else 0.0,
         })  # fmt: skip

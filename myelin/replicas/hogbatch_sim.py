@@ -92,7 +92,7 @@ def simulate(
         "order": order,
         "share": [u / total for u in updates],
         "coverage": coverage,
-        "tau_median": [statistics.median(t) if t else 0 for t in tau.values()],
+        "tau_median": [float(statistics.median(t)) if t else 0.0 for t in tau.values()],
         "trace": list(controller.trace),
         "all_done": disp.all_done(),
     }
