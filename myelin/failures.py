@@ -127,6 +127,8 @@ class Failures:
         # no news); one its launcher stopped (or interrupted) did not fail first.
         interrupted = isinstance(exc, KeyboardInterrupt)
         stopped = interrupted or (self.liveness is not None and self.liveness.stopped)
+        if interrupted:  # (Python's own handler too: peers' stops are no news from now on)
+            self._stopped()
         lost = self.liveness.find_lost() if self.liveness is not None else None
         named = isinstance(exc, (PeerLostError, DeviceMemoryError))  # (they say what failed)
         if lost is not None and not interrupted and not named:
@@ -138,9 +140,10 @@ class Failures:
         if isinstance(error, PeerLostError) and self.world is not None:
             abandon_groups(self.world)  # a gloo thread may wait on the silent peer forever
         if not isinstance(error, RemoteError):  # (a RemoteError's rank has told already)
-            if not isinstance(error, PeerLostError) and not stopped:  # (it did not fail first)
+            relayed = isinstance(error, PeerLostError)  # (the lost rank failed first)
+            if not relayed and not stopped:
                 launched.tell(f"failed {self.rank}")  # the launcher stops the others now
-            self.abort(error, stopped)
+            self.abort(error, stopped and not relayed)  # a relayed loss is news at once
         if isinstance(error, Exception) and not getattr(error, "_myelin_recorded", False):
             self.flight.note(f"failed in {doing}: {type(error).__name__}")
             self.record(error)

@@ -310,10 +310,12 @@ class Inbox:
         lost = msg.meta.get("lost")
         if self.liveness is not None:
             self.liveness.check()  # this rank's own view of the loss comes first
-            if msg.meta.get("stopped") is True and not self.liveness.stopped:
+            stopped = msg.meta.get("stopped") is True and type(lost) is not int
+            if stopped and not self.liveness.stopped:
                 # Its launcher stopped it, and most likely this rank too: its own signal
                 # (raised from inside the sleep) is the error to raise, if it comes.
                 time.sleep(STOP_GRACE_S)
+                self.liveness.check()  # or a loss found meanwhile
         if type(lost) is int:
             doing = str(msg.meta.get("doing", "unknown"))
             raise PeerLostError(lost, doing, f"rank {msg.src} reports: {detail}")

@@ -69,6 +69,7 @@ class _Peer:
     seen: bool = False
     doing: str = "starting"
     left: bool = False  # closed its trainer (or exited) and said goodbye
+    stopped: bool = False  # its goodbye said its launcher stopped it: not uneven data
     counts: tuple[int, int] = (0, 0)  # its trainer.step and eval_step calls, when it left
     where: str | None = None  # the call it is in (a step, a save), as its last beat said
     at: tuple[int, int] = (0, 0)  # its steps and evaluations done then
@@ -186,7 +187,7 @@ class Liveness:
         counts (or, `strict`, at all), so it cannot take part in what this rank waits for."""
         me = f"rank {self.rank} ({self.stage_of(self.rank)})"
         for peer in self._peers.values():
-            if peer.left and (strict or sum(peer.counts) <= sum(self.counts)):
+            if peer.left and not peer.stopped and (strict or sum(peer.counts) <= sum(self.counts)):
                 steps, evals = peer.counts
                 return PeerLeftError(
                     peer.rank,
@@ -343,6 +344,7 @@ class Liveness:
             self.lost = PeerLostError(lost, doing, f"rank {peer.rank} reports: {failed}")
             self.flight.note("rank %d failed: %s", peer.rank, failed)
         elif beat.get("stopped") is True:
+            peer.stopped = True  # (`left` does not take it for uneven data meanwhile)
             if not self.stopped and self._peer_stopped is None:
                 self._peer_stopped = (time.monotonic() + STOP_GRACE_S, peer, beat, failed)
         else:
@@ -366,9 +368,6 @@ class Liveness:
             self.flight.note("lost its launcher (pid %d)", self.launcher)
             log.error("%s", self.lost)
             return
-        pending = self._peer_stopped
-        if pending is not None and self.lost is None and not self.stopped and now >= pending[0]:
-            self._settle(*pending[1:])  # this rank was not stopped with it: its error is news
         for peer in self._peers.values():
             if peer.left or self.lost is not None:
                 continue
@@ -383,6 +382,9 @@ class Liveness:
                 )
                 if quiet > limit:
                     self._lose(peer, f"nothing came from it for {quiet:.1f}s")
+        pending = self._peer_stopped  # after the losses: a peer gone meanwhile comes first
+        if pending is not None and self.lost is None and not self.stopped and now >= pending[0]:
+            self._settle(*pending[1:])  # this rank was not stopped with it: its error is news
 
     def _lose(self, peer: _Peer, why: str, quiet: bool = False) -> None:
         self.lost = PeerLostError(

@@ -162,6 +162,8 @@ def test_ctrl_c_prints_one_line_and_exits_130(job_factory, nproc, save):
         flight = job.out / "flight" / f"rank{rank}.json"
         assert str(flight) in line and flight.exists(), line
         assert "RemoteError" not in flight.read_text(), (rank, flight.read_text()[-2000:])
+        res = json.loads((job.out / f"rank{rank}.json").read_text())  # what its script got
+        assert res["error_type"] == "KeyboardInterrupt", (rank, res)
     assert job.temp_leftovers() == []
 
 

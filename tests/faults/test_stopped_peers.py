@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from myelin.errors import RemoteError
+from myelin.errors import PeerLostError, RemoteError
 from myelin.failures import Failures
 from myelin.profile.timeline import Timeline
 from myelin.runtime import launched
@@ -44,6 +44,7 @@ def test_a_peer_stopped_with_this_rank_is_no_news():
         _stopped_goodbye(lives, transports)
         time.sleep(2 * STOP_GRACE_S + 0.5)
         lives[0].check()  # nothing to raise: rank 0's own interrupt is its error
+        lives[0].check("a checkpoint save", strict=True)  # nor "it left": not uneven data
         assert lives[0].lost is None
     finally:
         _close(transports[:1], lives[:1])
@@ -56,6 +57,7 @@ def test_a_peer_stopped_alone_is_news_after_the_grace():
         _stopped_goodbye(lives, transports)
         time.sleep(0.3)
         assert lives[0].lost is None  # rank 0's own signal may still be on its way
+        lives[0].check("a checkpoint save", strict=True)  # and rank 1 did not "leave"
         error = _told(lives[0])
         assert time.monotonic() - closed >= STOP_GRACE_S
         assert isinstance(error, RemoteError) and error.rank == 1, error
@@ -100,15 +102,21 @@ def test_a_real_failure_is_still_told_to_the_launcher(tmp_path, monkeypatch):
 
 
 class _Stopped:
-    """A liveness of a rank not yet stopped itself, with nothing lost."""
+    """A liveness of a rank not yet stopped itself, with nothing lost (or, `lost_at`, a
+    loss that shows at that call of `check`)."""
 
     stopped = False
 
+    def __init__(self, lost_at: int = 0) -> None:
+        self.calls, self.lost_at = 0, lost_at
+
     def check(self) -> None:
-        pass
+        self.calls += 1
+        if self.calls == self.lost_at:
+            raise PeerLostError(2, "reducing gradients", "rank 0 lost rank 2: its process is gone")
 
 
-def _inbox() -> Inbox:
+def _inbox(liveness: _Stopped | None = None) -> Inbox:
     world = World(rank=0, layout=Layout(2, 1), device=torch.device("cpu"))
     stage = Stage(torch.nn.Linear(2, 2), 0, 2, world.device, torch.nn.functional.mse_loss)
     return Inbox(
@@ -119,13 +127,13 @@ def _inbox() -> Inbox:
         LoopStats(),
         timeline=Timeline(0, 0, enabled=False),
         flight=FlightRecorder(0),
-        liveness=_Stopped(),
+        liveness=liveness or _Stopped(),
     )
 
 
-def _abort(stopped: bool) -> Message:
+def _abort(stopped: bool, **lost) -> Message:
     meta = {"op": "abort", "error": "KeyboardInterrupt: rank 1 interrupted", "stopped": stopped}
-    return Message("control", 1, 0, 0, 0, [], meta)
+    return Message("control", 1, 0, 0, 0, [], {**meta, **lost})
 
 
 def test_a_stopped_peers_abort_lets_this_ranks_own_signal_come_first():
@@ -167,3 +175,15 @@ def test_the_flight_says_where_a_rank_is_between_steps_and_in_a_collective(tmp_p
     assert failures.flight.doing == "between steps, after 4 training steps"
     failures.leave(1, 2)
     assert failures.flight.doing == "between steps, after 1 training step and 2 evaluations"
+
+
+def test_a_loss_is_news_at_once_and_one_found_in_the_grace_comes_first():
+    """A stopped rank that relays a loss (lost=2) makes no one wait; a loss this rank finds
+    while it waits out a stopped peer's grace is raised, not the peer's stop."""
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="rank 1 reports") as err:
+        _inbox().handle([_abort(stopped=True, lost=2, doing="running 2F0")], None)
+    assert err.value.rank == 2 and time.monotonic() - start < STOP_GRACE_S
+    with pytest.raises(PeerLostError, match="lost rank 2") as err:
+        _inbox(_Stopped(lost_at=2)).handle([_abort(stopped=True)], None)
+    assert err.value.rank == 2
