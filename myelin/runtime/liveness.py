@@ -49,10 +49,9 @@ log = logging.getLogger(__name__)
 
 _MAX_BEAT_BYTES = 1024  # a heartbeat is a rank and a line of text; anything bigger is junk
 _LOOK_S = 0.5  # how often peers' processes and the launcher are looked at, at most
-# How soon a change of what this rank does goes out, at most; also the least time between
-# two such beats. The loop changes it a few times a step: beating on each change woke this
-# thread and its peers' ZMQ and heartbeat threads ~10 times a step, CPU taken from the
-# ranks' compute when ranks share cores (4 ranks on 2: 2 ms of a 25 ms step).
+# How soon a change of what this rank does goes out, at most, and the least time between
+# two such beats: beating on each change (a few a step) woke this thread and its peers'
+# ~10 times a step, CPU taken from compute on shared cores (4 ranks on 2: 2 ms of 25).
 _NEWS_S = 0.05
 _SEEN = (PeerLostError, RemoteError, LauncherLostError)  # another rank's failure, seen here
 # A peer its launcher stopped (Ctrl-C, SIGTERM) is news only if this rank is not stopped
@@ -69,7 +68,7 @@ class _Peer:
     seen: bool = False
     doing: str = "starting"
     left: bool = False  # closed its trainer (or exited) and said goodbye
-    stopped: bool = False  # its goodbye said its launcher stopped it: not uneven data
+    stopped_at: float | None = None  # when its goodbye said its launcher stopped it
     counts: tuple[int, int] = (0, 0)  # its trainer.step and eval_step calls, when it left
     where: str | None = None  # the call it is in (a step, a save), as its last beat said
     at: tuple[int, int] = (0, 0)  # its steps and evaluations done then
@@ -109,7 +108,7 @@ class Liveness:
         self.counts = (0, 0)  # this rank's trainer.step and eval_step calls done so far
         self.where: str | None = None  # the step, evaluation or collective it is in, if any
         self._apart = Apart()
-        self._peer_stopped: tuple[float, _Peer, dict, str] | None = None  # (in its grace)
+        self._peer_stopped: tuple[_Peer, dict, str] | None = None  # the first, in its grace
         self.launcher = launcher_pid()
         self._exiting = False  # closing at interpreter exit, where sys.last_value is news
         self._transport = transport
@@ -158,10 +157,9 @@ class Liveness:
     # -- the main thread's side -----------------------------------------------------------
 
     def check(self, where: str | None = None, strict: bool = False) -> None:
-        """Raise if a peer was lost (called by the loop in every wait), or if a peer left
-        that this rank, in `where` (default: the step it is in, `self.where`), still needs:
-        one that ran fewer steps and evaluations, or with `strict` (a collective outside
-        the steps) any that left."""
+        """Raise if a peer was lost (the loop calls it in every wait), or if one left that
+        this rank, in `where` (default `self.where`), still needs: one that ran fewer steps
+        and evaluations, or with `strict` (a collective outside the steps) any (`left`)."""
         if self.lost is not None:
             self.acknowledged = True
             raise fresh(self.lost)
@@ -187,13 +185,18 @@ class Liveness:
         counts (or, `strict`, at all), so it cannot take part in what this rank waits for."""
         me = f"rank {self.rank} ({self.stage_of(self.rank)})"
         for peer in self._peers.values():
-            if peer.left and not peer.stopped and (strict or sum(peer.counts) <= sum(self.counts)):
+            if not peer.left:
+                continue
+            them = f"{me} is in {where}, but rank {peer.rank} ({self.stage_of(peer.rank)})"
+            if peer.stopped_at is not None:  # not uneven data; within the grace, no news yet
+                if time.monotonic() >= peer.stopped_at + STOP_GRACE_S:
+                    return PeerLeftError(peer.rank, peer.doing, f"{them} was stopped and left")
+            elif strict or sum(peer.counts) <= sum(self.counts):
                 steps, evals = peer.counts
                 return PeerLeftError(
                     peer.rank,
                     peer.doing,
-                    f"{me} is in {where}, but rank {peer.rank} ({self.stage_of(peer.rank)}) "
-                    f"closed its trainer after {steps} trainer.step and {evals} eval_step "
+                    f"{them} closed its trainer after {steps} trainer.step and {evals} eval_step "
                     f"calls: every rank must run the same steps and evaluations (give every "
                     f"rank data of one length, or use Trainer.fit, which stops at the shortest)",
                 )
@@ -334,25 +337,22 @@ class Liveness:
                     self._failed(peer, beat, failed)
 
     def _failed(self, peer: _Peer, beat: dict, failed: str) -> None:
-        """A peer's goodbye says it failed: a loss it saw is relayed as that loss (whether
-        its trainer raised it or its script did: a survivor is never blamed for it); a peer
-        its launcher stopped is news only once this rank's own stop is overdue; any other
-        failure is the peer's own (`_settle`)."""
+        """A peer's goodbye says it failed: a loss it saw is relayed as that loss (trainer's
+        or script's: a survivor is never blamed for it); a stop by its launcher is news only
+        after the grace, if this rank was not stopped too; else its own failure (`_settle`)."""
         lost = beat.get("lost")  # a rank, or -1: the EASGD hub (hub_client.HUB_RANK)
         if type(lost) is int and lost not in (self.rank, peer.rank) and lost >= -1:
             doing = str(beat.get("lost_doing", "unknown"))
             self.lost = PeerLostError(lost, doing, f"rank {peer.rank} reports: {failed}")
             self.flight.note("rank %d failed: %s", peer.rank, failed)
         elif beat.get("stopped") is True:
-            peer.stopped = True  # (`left` does not take it for uneven data meanwhile)
-            if not self.stopped and self._peer_stopped is None:
-                self._peer_stopped = (time.monotonic() + STOP_GRACE_S, peer, beat, failed)
+            peer.stopped_at = time.monotonic()  # (`left` takes it for no uneven data)
+            self._peer_stopped = self._peer_stopped or (peer, beat, failed)
         else:
             self._settle(peer, beat, failed)
 
     def _settle(self, peer: _Peer, beat: dict, failed: str) -> None:
-        """The peer's own failure: an error its trainer told its peers of is a RemoteError,
-        as the abort said; any other error in its script loses the peer."""
+        """The peer's own failure: a RemoteError if its trainer told it (the abort), else lost."""
         if beat.get("told") is True:  # (`told`: its trainer sent its peers an abort)
             self.lost = RemoteError(peer.rank, failed)
             self.flight.note("rank %d failed: %s", peer.rank, failed)
@@ -383,8 +383,9 @@ class Liveness:
                 if quiet > limit:
                     self._lose(peer, f"nothing came from it for {quiet:.1f}s")
         pending = self._peer_stopped  # after the losses: a peer gone meanwhile comes first
-        if pending is not None and self.lost is None and not self.stopped and now >= pending[0]:
-            self._settle(*pending[1:])  # this rank was not stopped with it: its error is news
+        due = pending is not None and now >= pending[0].stopped_at + STOP_GRACE_S
+        if due and self.lost is None and not self.stopped:
+            self._settle(*pending)  # this rank was not stopped with it: its error is news
 
     def _lose(self, peer: _Peer, why: str, quiet: bool = False) -> None:
         self.lost = PeerLostError(

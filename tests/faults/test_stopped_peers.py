@@ -10,12 +10,14 @@ step N" (the last loop op). Heartbeats over real sockets, ranks in one process.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from myelin.errors import PeerLostError, RemoteError
+from myelin.errors import MyelinError, PeerLeftError, PeerLostError, RemoteError
 from myelin.failures import Failures
 from myelin.profile.timeline import Timeline
 from myelin.runtime import launched
@@ -42,10 +44,14 @@ def test_a_peer_stopped_with_this_rank_is_no_news():
     try:
         lives[0].stopped = True  # the same Ctrl-C reached rank 0
         _stopped_goodbye(lives, transports)
-        time.sleep(2 * STOP_GRACE_S + 0.5)
+        time.sleep(0.3)
+        lives[0].check("a checkpoint save", strict=True)  # in the grace: not "it left"
+        time.sleep(2 * STOP_GRACE_S)
         lives[0].check()  # nothing to raise: rank 0's own interrupt is its error
-        lives[0].check("a checkpoint save", strict=True)  # nor "it left": not uneven data
         assert lives[0].lost is None
+        # a save rank 0 tries anyway (an emergency checkpoint) ends at once, naming rank 1
+        with pytest.raises(PeerLeftError, match=r"but rank 1 \(.*\) was stopped and left"):
+            lives[0].check("a checkpoint save", strict=True)
     finally:
         _close(transports[:1], lives[:1])
 
@@ -81,6 +87,42 @@ def test_an_interrupted_rank_keeps_its_interrupt_and_does_not_fail_first(tmp_pat
         assert isinstance(error, KeyboardInterrupt) and "rank 0" in str(error)
         assert told == []  # not "failed 0": the launcher stopped it
         assert [(r, m["op"], m["stopped"]) for r, m in sent] == [(1, "abort", True)]
+        assert lives[0].stopped  # (Python's own handler raised it: no myelin handler ran)
+    finally:
+        _close(transports, lives)
+
+
+def test_a_stopped_rank_that_saw_a_loss_relays_it_as_news(tmp_path, monkeypatch):
+    """Stopped by SIGTERM after it lost rank 1: the abort relays the loss, not a stop, so
+    the peers raise it at once rather than after the grace."""
+    transports, lives = _ranks(2)
+    sent = []
+    monkeypatch.setattr(launched, "tell", lambda line: None)
+    try:
+        failures = Failures(0, 2, tmp_path)
+        failures.connected(transports[0], lives[0], None)
+        transports[0].send_control = lambda r, meta: sent.append(meta)
+        lives[0].stopped = True
+        lives[0].lost = PeerLostError(1, "running 1F0", "rank 0 lost rank 1: its process is gone")
+        stop = MyelinError("rank 0 was stopped by its launcher (SIGTERM)")
+        error = failures.fail(stop, "training step 3")
+        assert isinstance(error, PeerLostError) and error.rank == 1
+        assert [(m["lost"], m["stopped"]) for m in sent] == [(1, False)]
+    finally:
+        _close(transports, lives)
+
+
+def test_a_peer_gone_is_named_before_a_stopped_peer_whose_grace_ended():
+    transports, lives = _ranks(3)
+    try:
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        peers = lives[0]._peers
+        peers[2].pid = gone.pid  # rank 2's process is gone
+        peers[1].stopped_at = time.monotonic() - 2 * STOP_GRACE_S  # rank 1's grace is over
+        lives[0]._peer_stopped = (peers[1], {"told": True}, "KeyboardInterrupt: rank 1")
+        lives[0]._look(time.monotonic(), beats=False)
+        assert isinstance(lives[0].lost, PeerLostError) and lives[0].lost.rank == 2
     finally:
         _close(transports, lives)
 
