@@ -72,44 +72,41 @@ def test_a_peer_stopped_alone_is_news_after_the_grace():
         _close(transports[:1], lives[:1])
 
 
-def test_an_interrupted_rank_keeps_its_interrupt_and_does_not_fail_first(tmp_path, monkeypatch):
-    """A peer's error heard of meanwhile does not replace the rank's KeyboardInterrupt; the
-    launcher is not told this rank failed; the peers' abort says it was stopped."""
+@pytest.fixture
+def rank0(tmp_path, monkeypatch):
+    """Rank 0's Failures among two ranks with real heartbeats, and what it tells its
+    launcher and sends its peers."""
     transports, lives = _ranks(2)
     told, sent = [], []
     monkeypatch.setattr(launched, "tell", told.append)
-    try:
-        failures = Failures(0, 2, tmp_path)
-        failures.connected(transports[0], lives[0], None)
-        transports[0].send_control = lambda r, meta: sent.append((r, meta))
-        lives[0].lost = RemoteError(1, "KeyboardInterrupt: rank 1 interrupted")
-        error = failures.fail(KeyboardInterrupt("rank 0 interrupted"), "a checkpoint save")
-        assert isinstance(error, KeyboardInterrupt) and "rank 0" in str(error)
-        assert told == []  # not "failed 0": the launcher stopped it
-        assert [(r, m["op"], m["stopped"]) for r, m in sent] == [(1, "abort", True)]
-        assert lives[0].stopped  # (Python's own handler raised it: no myelin handler ran)
-    finally:
-        _close(transports, lives)
+    failures = Failures(0, 2, tmp_path)
+    failures.connected(transports[0], lives[0], None)
+    transports[0].send_control = lambda r, meta: sent.append((r, meta))
+    yield failures, lives[0], told, sent
+    _close(transports, lives)
 
 
-def test_a_stopped_rank_that_saw_a_loss_relays_it_as_news(tmp_path, monkeypatch):
+def test_an_interrupted_rank_keeps_its_interrupt_and_does_not_fail_first(rank0):
+    """A peer's error heard of meanwhile does not replace the rank's KeyboardInterrupt; the
+    launcher is not told this rank failed; the peers' abort says it was stopped."""
+    failures, live, told, sent = rank0
+    live.lost = RemoteError(1, "KeyboardInterrupt: rank 1 interrupted")
+    error = failures.fail(KeyboardInterrupt("rank 0 interrupted"), "a checkpoint save")
+    assert isinstance(error, KeyboardInterrupt) and "rank 0" in str(error)
+    assert told == []  # not "failed 0": the launcher stopped it
+    assert [(r, m["op"], m["stopped"]) for r, m in sent] == [(1, "abort", True)]
+    assert live.stopped  # (Python's own handler raised it: no myelin handler ran)
+
+
+def test_a_stopped_rank_that_saw_a_loss_relays_it_as_news(rank0):
     """Stopped by SIGTERM after it lost rank 1: the abort relays the loss, not a stop, so
     the peers raise it at once rather than after the grace."""
-    transports, lives = _ranks(2)
-    sent = []
-    monkeypatch.setattr(launched, "tell", lambda line: None)
-    try:
-        failures = Failures(0, 2, tmp_path)
-        failures.connected(transports[0], lives[0], None)
-        transports[0].send_control = lambda r, meta: sent.append(meta)
-        lives[0].stopped = True
-        lives[0].lost = PeerLostError(1, "running 1F0", "rank 0 lost rank 1: its process is gone")
-        stop = MyelinError("rank 0 was stopped by its launcher (SIGTERM)")
-        error = failures.fail(stop, "training step 3")
-        assert isinstance(error, PeerLostError) and error.rank == 1
-        assert [(m["lost"], m["stopped"]) for m in sent] == [(1, False)]
-    finally:
-        _close(transports, lives)
+    failures, live, _, sent = rank0
+    live.stopped = True
+    live.lost = PeerLostError(1, "running 1F0", "rank 0 lost rank 1: its process is gone")
+    error = failures.fail(MyelinError("rank 0 was stopped (SIGTERM)"), "training step 3")
+    assert isinstance(error, PeerLostError) and error.rank == 1
+    assert [(m["lost"], m["stopped"]) for _, m in sent] == [(1, False)]
 
 
 def test_a_peer_gone_is_named_before_a_stopped_peer_whose_grace_ended():
@@ -127,20 +124,12 @@ def test_a_peer_gone_is_named_before_a_stopped_peer_whose_grace_ended():
         _close(transports, lives)
 
 
-def test_a_real_failure_is_still_told_to_the_launcher(tmp_path, monkeypatch):
-    transports, lives = _ranks(2)
-    told, sent = [], []
-    monkeypatch.setattr(launched, "tell", told.append)
-    try:
-        failures = Failures(0, 2, tmp_path)
-        failures.connected(transports[0], lives[0], None)
-        transports[0].send_control = lambda r, meta: sent.append((r, meta))
-        error = failures.fail(ValueError("a bad batch"), "training step 2")
-        assert isinstance(error, ValueError)
-        assert told[0] == "failed 0"
-        assert [(m["op"], m["stopped"]) for _, m in sent] == [("abort", False)]
-    finally:
-        _close(transports, lives)
+def test_a_real_failure_is_still_told_to_the_launcher(rank0):
+    failures, _, told, sent = rank0
+    error = failures.fail(ValueError("a bad batch"), "training step 2")
+    assert isinstance(error, ValueError)
+    assert told[0] == "failed 0"
+    assert [(m["op"], m["stopped"]) for _, m in sent] == [("abort", False)]
 
 
 class _Stopped:
