@@ -132,7 +132,7 @@ def test_a_real_failure_is_still_told_to_the_launcher(rank0):
     assert [(m["op"], m["stopped"]) for _, m in sent] == [("abort", False)]
 
 
-class _Stopped:
+class _FakeLiveness:
     """A liveness of a rank not yet stopped itself, with nothing lost (or, `lost_at`, a
     loss that shows at that call of `check`)."""
 
@@ -147,7 +147,7 @@ class _Stopped:
             raise PeerLostError(2, "reducing gradients", "rank 0 lost rank 2: its process is gone")
 
 
-def _inbox(liveness: _Stopped | None = None) -> Inbox:
+def _inbox(liveness: _FakeLiveness | None = None) -> Inbox:
     world = World(rank=0, layout=Layout(2, 1), device=torch.device("cpu"))
     stage = Stage(torch.nn.Linear(2, 2), 0, 2, world.device, torch.nn.functional.mse_loss)
     return Inbox(
@@ -158,7 +158,7 @@ def _inbox(liveness: _Stopped | None = None) -> Inbox:
         LoopStats(),
         timeline=Timeline(0, 0, enabled=False),
         flight=FlightRecorder(0),
-        liveness=liveness or _Stopped(),
+        liveness=liveness or _FakeLiveness(),
     )
 
 
@@ -216,5 +216,5 @@ def test_a_loss_is_news_at_once_and_one_found_in_the_grace_comes_first():
         _inbox().handle([_abort(stopped=True, lost=2, doing="running 2F0")], None)
     assert err.value.rank == 2 and time.monotonic() - start < STOP_GRACE_S
     with pytest.raises(PeerLostError, match="lost rank 2") as err:
-        _inbox(_Stopped(lost_at=2)).handle([_abort(stopped=True)], None)
+        _inbox(_FakeLiveness(lost_at=2)).handle([_abort(stopped=True)], None)
     assert err.value.rank == 2
